@@ -1,0 +1,110 @@
+"""Command line: `tinydeploy build|run|inspect|boards|bench`. Parses, calls tinydeploy.flow,
+prints. Every expected failure is a TinydeployError: one line on stderr, exit code 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+from tinydeploy import __version__
+from tinydeploy.errors import TinydeployError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--board", default="host", help="board id (see `tinydeploy boards`; default host)")
+    p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224",
+                   help="pin an input's shape (repeatable); a symbolic batch dimension defaults to 1")
+    p.add_argument("-o", "--outdir", help="output folder (default build/<model>-<board>)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder tinydeploy did not create")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tinydeploy", description="ONNX models to static-memory C for MCUs, SBCs and the host.")
+    ap.add_argument("--version", action="version", version=f"tinydeploy {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("build", help="generate the C project and compile it")
+    _common(p)
+    p = sub.add_parser("run", help="build, run on inputs, compare with onnxruntime")
+    _common(p)
+    p.add_argument("--inputs", help=".npz (arrays named like the model inputs) or .npy (single input)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p = sub.add_parser("inspect", help="operator table, shapes, MACs, parameters, unsupported operators")
+    p.add_argument("model")
+    p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224")
+    sub.add_parser("boards", help="list the known boards")
+    p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
+    p.add_argument("models", nargs="+")
+    p.add_argument("--board", default="host")
+    p.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement (default 1 s)")
+    p.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    command = "tinydeploy " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        return _dispatch(args, command)
+    except TinydeployError as e:
+        print(f"tinydeploy: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tinydeploy: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug in tinydeploy, not the user's input: still one line
+        if os.environ.get("TINYDEPLOY_DEBUG"):
+            raise
+        print(f"tinydeploy: internal error: {type(e).__name__}: {str(e)[:200]} "
+              "(set TINYDEPLOY_DEBUG=1 for the traceback and please report it)", file=sys.stderr)
+        return 3
+
+
+def _dispatch(args, command: str) -> int:
+    from tinydeploy import boards, flow, importer
+    shapes = importer.parse_shape_overrides(getattr(args, "input_shape", None))
+    if args.cmd == "boards":
+        for b in boards.load_all().values():
+            mem = ""
+            if b.get("ram_bytes"):
+                mem = f"  RAM {b['ram_bytes'] // 1024} KB, flash {b['flash_bytes'] // 1024} KB"
+            print(f"{b['id']:<14} {b['name']}  [target {b['target']}, runs via {b['runner']}]{mem}")
+        return 0
+    if args.cmd == "build":
+        r = flow.build(args.model, args.board, args.outdir, args.force, shapes, command)
+        _print_summary(r.summary)
+        return 0
+    if args.cmd == "run":
+        res = flow.run(args.model, args.board, args.inputs, args.seed, shapes, args.outdir, args.force, command)
+        if args.json:
+            print(json.dumps(res))
+        else:
+            print(f"{res['model']} on {res['board']}: outputs {'match' if res['outputs_match'] else 'DIFFER'} "
+                  f"(max abs error {res['max_abs_error']:.3g}, max rel error {res['max_rel_error']:.3g}, "
+                  f"tolerance {res['tolerance']:g})")
+            lat, mem = res["latency"], res["memory"]
+            print(f"latency {lat['median_ms']:.4f} ms median of {lat['runs']} runs; arena {mem['arena_bytes']} B "
+                  f"(lower bound {mem['lower_bound_bytes']} B), weights {mem['weights_bytes']} B")
+        return 0 if res["outputs_match"] else 1
+    if args.cmd == "inspect":
+        from tinydeploy.inspect import inspect_model
+        print(inspect_model(args.model, shapes))
+        return 0
+    if args.cmd == "bench":
+        from tinydeploy.bench import bench
+        bench(args.models, args.board, args.seconds, args.json)
+        return 0
+    raise TinydeployError(f"unknown command {args.cmd}")
+
+
+def _print_summary(s: dict) -> None:
+    print(f"{s['model']} -> {s['outdir']} ({s['board']})")
+    print(f"  layers {s['layers']}, MACs {s['macs']:,}, weights {s['weights_bytes']:,} B")
+    print(f"  arena {s['arena_bytes']:,} B (lower bound {s['lower_bound_bytes']:,} B)")
+    for n in s["notes"]:
+        print(f"  note: {n}")
+    print(f"  files: {', '.join(s['files'])}")

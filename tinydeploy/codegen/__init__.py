@@ -1,0 +1,1 @@
+"""C code generation: a planned graph -> a self-contained C project (see `project.generate`)."""

@@ -1,0 +1,327 @@
+"""ONNX file -> ir.Graph.
+
+Steps: read and parse defensively; load external data only from inside the model's folder;
+check; bring old opsets to a known range with onnx's version converter; pin symbolic input
+dimensions; run onnx shape inference; fold constant subgraphs; build the typed graph.
+
+Constant folding is written here because onnx itself has no folder: each foldable node is
+evaluated by onnx's own reference evaluator (so the semantics are onnx's, not ours).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference, version_converter
+
+from tinydeploy import ir
+from tinydeploy.codegen.cfmt import printable
+from tinydeploy.errors import TinydeployError
+
+MIN_OPSET = 13          # older models are converted up to this
+MAX_FILE_BYTES = 2 << 30  # protobuf's own limit
+MAX_FOLD_ELEMENTS = 1 << 26  # refuse to materialise constants larger than this (hostile models)
+NO_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+           "Bernoulli", "If", "Loop", "Scan"}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_shape_overrides(specs: list[str] | None) -> dict[str, tuple[int, ...]]:
+    """`NAME=1x3x224x224` -> {NAME: (1, 3, 224, 224)}."""
+    out = {}
+    for spec in specs or []:
+        name, sep, dims = spec.rpartition("=")
+        try:
+            shape = tuple(int(d) for d in dims.lower().split("x"))
+        except ValueError:
+            shape = ()
+        if not sep or not name or not shape or min(shape) <= 0:
+            raise TinydeployError(f"--input-shape {printable(spec)!r} is not NAME=DxDx...D with positive "
+                                  "integers, e.g. input=1x3x224x224")
+        out[name] = shape
+    return out
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read and parse an ONNX file; every failure becomes a one-line TinydeployError."""
+    path = Path(path)
+    if not path.is_file():
+        raise TinydeployError(f"model file {printable(str(path))!r} does not exist or is not a file")
+    size = path.stat().st_size
+    if size == 0:
+        raise TinydeployError(f"model file {printable(str(path))!r} is empty")
+    if size >= MAX_FILE_BYTES:
+        raise TinydeployError(f"model file is {size} bytes; ONNX protobuf files must be < 2 GiB "
+                              "(store large weights as external data)")
+    data = path.read_bytes()
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception:  # protobuf raises DecodeError, RuntimeError or ValueError depending on backend
+        raise TinydeployError(f"{printable(path.name)!r} is not a valid ONNX file (protobuf parse "
+                              "failed; is it truncated or of another format?)") from None
+    if not model.HasField("graph") or (len(model.graph.node) == 0 and len(model.graph.output) == 0):
+        raise TinydeployError(f"{printable(path.name)!r} is not an ONNX model (no graph); "
+                              "is it truncated or of another format?")
+    _load_external_data(model, path.parent)
+    return model
+
+
+def _load_external_data(model: onnx.ModelProto, base: Path) -> None:
+    base = base.resolve()
+    tensors = list(onnx.external_data_helper._get_all_tensors(model))
+    for t in tensors:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        target = (base / loc).resolve()
+        if not loc or os.path.isabs(loc) or not target.is_relative_to(base):
+            raise TinydeployError(f"initializer {printable(t.name)!r} points to external data "
+                                  f"{printable(loc)!r} outside the model's folder; refusing to read it")
+        if not target.is_file():
+            raise TinydeployError(f"external data file {printable(loc)!r} for initializer "
+                                  f"{printable(t.name)!r} is missing next to the model")
+        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        if end > target.stat().st_size:
+            raise TinydeployError(f"external data for {printable(t.name)!r} runs past the end of "
+                                  f"{printable(loc)!r}; the data file is truncated")
+    try:
+        onnx.external_data_helper.load_external_data_for_model(model, str(base))
+    except Exception as e:
+        raise TinydeployError(f"could not load external data: {printable(str(e).splitlines()[0])}") from None
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            return o.version
+    return 1
+
+
+def _normalise_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+    v = _opset(model)
+    if v < MIN_OPSET:
+        try:
+            model = version_converter.convert_version(model, MIN_OPSET)
+        except Exception as e:
+            raise TinydeployError(f"model uses opset {v}; converting it to opset {MIN_OPSET} failed: "
+                                  f"{printable(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
+    elif v > onnx.defs.onnx_opset_version():
+        raise TinydeployError(f"model uses opset {v}, newer than this onnx package knows "
+                              f"({onnx.defs.onnx_opset_version()}); upgrade onnx")
+    return model
+
+
+def _pin_input_shapes(model: onnx.ModelProto, overrides: dict[str, tuple[int, ...]], notes: list[str]) -> None:
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in inits]
+    names = {i.name for i in inputs}
+    for name in overrides:
+        if name not in names:
+            raise TinydeployError(f"--input-shape names {printable(name)!r}, but the model's inputs are "
+                                  f"{', '.join(repr(printable(n)) for n in sorted(names))}")
+    for inp in inputs:
+        tt = inp.type.tensor_type
+        if not inp.type.HasField("tensor_type"):
+            raise TinydeployError(f"input {printable(inp.name)!r} is not a tensor (sequences and maps are not supported)")
+        dims = tt.shape.dim
+        if inp.name in overrides:
+            shape = overrides[inp.name]
+            if len(shape) != len(dims):
+                raise TinydeployError(f"--input-shape gives {len(shape)} dimensions for {printable(inp.name)!r}, "
+                                      f"the model says {len(dims)}")
+            for d, v in zip(dims, shape):
+                if d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != v:
+                    raise TinydeployError(f"--input-shape {printable(inp.name)}={'x'.join(map(str, shape))} "
+                                          f"conflicts with the model's fixed dimension {d.dim_value}")
+                d.Clear()
+                d.dim_value = v
+            continue
+        for axis, d in enumerate(dims):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                continue
+            sym = d.dim_param or "?"
+            if axis == 0:
+                d.Clear()
+                d.dim_value = 1
+                notes.append(f"input {printable(inp.name)!r}: batch dimension {printable(sym)!r} set to 1")
+            else:
+                raise TinydeployError(
+                    f"input {printable(inp.name)!r} has symbolic dimension {printable(sym)!r} at axis {axis}; "
+                    f"give its shape with --input-shape {printable(inp.name)}=" + "x".join(
+                        str(x.dim_value) if x.dim_value > 0 else "N" for x in dims))
+    # Output and value_info dims are re-derived by shape inference from the pinned inputs.
+    for vi in list(model.graph.output) + list(model.graph.value_info):
+        if vi.type.HasField("tensor_type"):
+            for d in vi.type.tensor_type.shape.dim:
+                if not d.HasField("dim_value"):
+                    d.Clear()
+    del model.graph.value_info[:]
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        raise TinydeployError("onnx shape inference failed: " + printable(msg[-1] if msg else type(e).__name__)[:300]) from None
+
+
+def _shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple | None, int]]:
+    """name -> (static shape or None, onnx elem type) for every typed value in the graph."""
+    out = {}
+    for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        shape = None
+        if tt.HasField("shape"):
+            dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim]
+            shape = tuple(dims) if all(d >= 0 for d in dims) else None
+        out[vi.name] = (shape, tt.elem_type)
+    return out
+
+
+def _fold_constants(model: onnx.ModelProto, opset: int) -> bool:
+    """One sweep of constant folding. Returns True when something was folded."""
+    from onnx.reference import ReferenceEvaluator
+
+    g = model.graph
+    consts = {i.name: i for i in g.initializer}
+    shapes = _shapes(model)
+    kept, folded = [], False
+    for node in g.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type in NO_FOLD:
+            kept.append(node)
+            continue
+        values = None
+        if node.op_type in ("Shape", "Size") and node.input[0] in shapes and shapes[node.input[0]][0] is not None:
+            shape = shapes[node.input[0]][0]
+            if node.op_type == "Size":
+                values = [np.array(int(np.prod(shape)), dtype=np.int64)]
+            else:
+                attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+                start, end = attrs.get("start", 0), attrs.get("end", None)
+                values = [np.array(shape[slice(start, end)], dtype=np.int64)]
+        elif all((not i) or i in consts for i in node.input) and not any(
+                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            for o in node.output:
+                s = shapes.get(o, (None, 0))[0]
+                if s is not None and int(np.prod(s)) > MAX_FOLD_ELEMENTS:
+                    raise TinydeployError(f"node {printable(node.name)!r} ({node.op_type}) would make a constant of "
+                                          f"{int(np.prod(s))} elements; refusing (malformed or hostile model?)")
+            if node.op_type == "ConstantOfShape":
+                n = int(np.prod(numpy_helper.to_array(consts[node.input[0]])))
+                if n > MAX_FOLD_ELEMENTS:
+                    raise TinydeployError(f"ConstantOfShape {printable(node.name)!r} asks for {n} elements; refusing")
+            values = _evaluate(node, [consts[i] if i else None for i in node.input], opset, ReferenceEvaluator)
+        if values is None:
+            kept.append(node)
+            continue
+        for name, v in zip(node.output, values):
+            if name:
+                t = numpy_helper.from_array(np.asarray(v), name)
+                consts[name] = t
+                g.initializer.append(t)
+        folded = True
+    if folded:
+        del g.node[:]
+        g.node.extend(kept)
+    return folded
+
+
+def _evaluate(node: onnx.NodeProto, inputs: list, opset: int, evaluator_cls) -> list | None:
+    g_inputs, feeds, names = [], {}, []
+    for k, t in enumerate(inputs):
+        if t is None:
+            names.append("")
+            continue
+        nm = f"in{k}"
+        arr = numpy_helper.to_array(t)
+        names.append(nm)
+        g_inputs.append(onnx.helper.make_tensor_value_info(nm, t.data_type, arr.shape))
+        feeds[nm] = arr
+    outs = [f"out{k}" for k in range(len(node.output))]
+    n = onnx.helper.make_node(node.op_type, names, outs, domain=node.domain)
+    n.attribute.extend(node.attribute)
+    graph = onnx.helper.make_graph([n], "fold", g_inputs,
+                                   [onnx.helper.make_empty_tensor_value_info(o) for o in outs])
+    m = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    try:
+        res = evaluator_cls(m).run(None, feeds)
+    except Exception as e:
+        raise TinydeployError(f"could not fold constant node {printable(node.name)!r} ({node.op_type}): "
+                              f"{printable(str(e).splitlines()[0] if str(e) else type(e).__name__)[:200]}") from None
+    return [np.asarray(r) for r in res]
+
+
+
+def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[ir.Graph, onnx.ModelProto]:
+    """Load `path` and return (typed graph, the normalised ONNX model it was made from)."""
+    model = load_model(path)
+    try:
+        onnx.checker.check_model(model)
+    except Exception as e:
+        msg = str(e).strip().splitlines()
+        raise TinydeployError("the ONNX checker rejected the model: " + printable(msg[0] if msg else "")[:300]) from None
+    notes: list[str] = []
+    model = _normalise_opset(model)
+    _pin_input_shapes(model, input_shapes or {}, notes)
+    model = _infer(model)
+    for _ in range(16):
+        if not _fold_constants(model, _opset(model)):
+            break
+        del model.graph.value_info[:]
+        model = _infer(model)
+    return _to_ir(model, notes), model
+
+
+def _np_dtype(elem_type: int) -> np.dtype:
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+    except Exception:
+        raise TinydeployError(f"tensor element type {elem_type} is not supported") from None
+
+
+def _to_ir(model: onnx.ModelProto, notes: list[str]) -> ir.Graph:
+    g = model.graph
+    shapes = _shapes(model)
+    tensors: dict[str, ir.Tensor] = {}
+    for init in g.initializer:
+        arr = numpy_helper.to_array(init)
+        tensors[init.name] = ir.Tensor(init.name, tuple(arr.shape), arr.dtype, data=arr)
+    inputs = [i.name for i in g.input if i.name not in tensors]
+    for node in g.node:
+        for name in list(node.input) + list(node.output):
+            if not name or name in tensors:
+                continue
+            shape, et = shapes.get(name, (None, 0))
+            if shape is None or et == 0:
+                raise TinydeployError(f"the shape of tensor {printable(name)!r} (at node {printable(node.name)!r}, "
+                                      f"{node.op_type}) is not static after shape inference; pin the inputs "
+                                      "with --input-shape or simplify the model")
+            tensors[name] = ir.Tensor(name, tuple(shape), _np_dtype(et))
+    for name in inputs + [o.name for o in g.output]:
+        if name not in tensors:
+            shape, et = shapes.get(name, (None, 0))
+            if shape is None:
+                raise TinydeployError(f"graph input/output {printable(name)!r} has no static shape")
+            tensors[name] = ir.Tensor(name, tuple(shape), _np_dtype(et))
+    nodes = []
+    for k, n in enumerate(g.node):
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        attrs = {k2: (v.decode() if isinstance(v, bytes) else v) for k2, v in attrs.items()}
+        op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}:{n.op_type}"
+        nodes.append(ir.Node(op, n.name or f"{n.op_type}_{k}", list(n.input), list(n.output), attrs))
+    graph = ir.Graph(tensors, nodes, inputs, [o.name for o in g.output], notes)
+    return graph

@@ -1,0 +1,83 @@
+"""Operator registry: what each ONNX operator needs to be checked, counted and emitted.
+
+One module per operator family. Each registers an `OpDef` per ONNX op type it handles:
+  check(node, g)  -> None when supported, else the reason (listed to the user with the node name)
+  emit(node, g)   -> a `Kernel`: which kernel template family to instantiate, its compile-time
+                     parameters, and the tensors passed to it (inputs first, then outputs)
+  macs(node, g)   -> multiply-accumulates, for the summary
+  view            -> the output is the input's bytes under another shape (no code, no copy)
+  inplace         -> the output may share input 0's buffer (elementwise)
+
+Kernel templates live in firmware_templates/kernels/<family>_<dtype>_<isa>.c.j2; `ref` is the
+portable reference that every ISA variant falls back to (see codegen.kernels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from tinydeploy import ir
+
+
+@dataclass
+class Kernel:
+    family: str                     # template family, e.g. "conv2d"
+    dtype: str                      # "f32", "s8", "u8"
+    params: dict[str, Any]          # compile-time constants of this specialisation
+    args: list[str]                 # tensor names: inputs (constants allowed) then outputs
+    scratch_bytes: int = 0          # arena scratch the kernel needs while it runs
+    desc: str = ""                  # one-line human description for the comment
+
+
+@dataclass
+class OpDef:
+    op: str
+    emit: Callable[[ir.Node, ir.Graph], Kernel | None]
+    check: Callable[[ir.Node, ir.Graph], str | None] = lambda n, g: None
+    macs: Callable[[ir.Node, ir.Graph], int] = lambda n, g: 0
+    view: bool = False
+    inplace: bool = False
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: str, **kw):
+    def deco(fn):
+        REGISTRY[op] = OpDef(op, fn, **kw)
+        return fn
+    return deco
+
+
+def dtype_tag(dtype) -> str:
+    return {np.dtype(np.float32): "f32", np.dtype(np.int8): "s8", np.dtype(np.uint8): "u8",
+            np.dtype(np.int32): "s32"}.get(np.dtype(dtype), str(np.dtype(dtype)))
+
+
+def float_only(node: ir.Node, g: ir.Graph, which=None) -> str | None:
+    """The common check: the listed runtime tensors (default: all) must be float32."""
+    names = which if which is not None else [i for i in node.inputs if i] + node.outputs
+    for name in names:
+        t = g.tensors.get(name)
+        if t is not None and not t.is_const and t.dtype != np.float32:
+            return f"{np.dtype(t.dtype).name} tensors are not supported"
+    return None
+
+
+def unsupported_nodes(g: ir.Graph) -> list[tuple[ir.Node, str]]:
+    out = []
+    for n in g.nodes:
+        d = REGISTRY.get(n.op)
+        if d is None:
+            out.append((n, "no kernel"))
+            continue
+        why = d.check(n, g)
+        if why:
+            out.append((n, why))
+    return out
+
+
+# Importing the families fills REGISTRY.
+from tinydeploy.ops import conv, dense, elementwise, pool, reduce, shape  # noqa: E402,F401

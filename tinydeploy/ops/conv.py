@@ -1,0 +1,63 @@
+"""Conv (1-D and 2-D, any kernel, strides, dilations, explicit or auto pads, groups)."""
+from __future__ import annotations
+
+import numpy as np
+
+from tinydeploy import ir
+from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+
+
+def conv_geometry(node: ir.Node, g: ir.Graph) -> dict:
+    """Everything about a Conv as 2-D NCHW numbers (1-D convs get H = 1)."""
+    x, w, y = g.t(node.inputs[0]), g.t(node.inputs[1]), g.t(node.outputs[0])
+    rank = len(x.shape) - 2
+    xs, ws, ys = list(x.shape), list(w.shape), list(y.shape)
+    a = node.attrs
+    k = list(a.get("kernel_shape", ws[2:]))
+    s = list(a.get("strides", [1] * rank))
+    d = list(a.get("dilations", [1] * rank))
+    pads = list(a.get("pads", [0] * (2 * rank)))
+    auto = a.get("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0] * (2 * rank)
+        for i in range(rank):
+            total = max(0, (ys[2 + i] - 1) * s[i] + (k[i] - 1) * d[i] + 1 - xs[2 + i])
+            small, big = total // 2, total - total // 2
+            pads[i], pads[i + rank] = (small, big) if auto == "SAME_UPPER" else (big, small)
+    elif auto == "VALID":
+        pads = [0] * (2 * rank)
+    if rank == 1:
+        xs.insert(2, 1), ys.insert(2, 1)
+        k, s, d = [1] + k, [1] + s, [1] + d
+        pads = [0, pads[0], 0, pads[1]]
+    return {"N": xs[0], "C": xs[1], "H": xs[2], "W": xs[3], "M": ys[1], "OH": ys[2], "OW": ys[3],
+            "KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "DH": d[0], "DW": d[1],
+            "PT": pads[0], "PL": pads[1], "G": int(a.get("group", 1))}
+
+
+def _check(node, g):
+    x = g.t(node.inputs[0])
+    if len(x.shape) not in (3, 4):
+        return f"{len(x.shape) - 2}-D convolution (1-D and 2-D are supported)"
+    if g.const(node.inputs[1]) is None:
+        return "non-constant weights"
+    if len(node.inputs) > 2 and node.inputs[2] and g.const(node.inputs[2]) is None:
+        return "non-constant bias"
+    return float_only(node, g)
+
+
+def _macs(node, g):
+    p = conv_geometry(node, g)
+    return p["N"] * p["M"] * p["OH"] * p["OW"] * (p["C"] // p["G"]) * p["KH"] * p["KW"]
+
+
+@register("Conv", check=_check, macs=_macs)
+def emit_conv(node: ir.Node, g: ir.Graph) -> Kernel:
+    p = conv_geometry(node, g)
+    has_bias = len(node.inputs) > 2 and bool(node.inputs[2])
+    p.update(has_bias=has_bias, act=node.attrs.get("_act", "v"))
+    args = [node.inputs[0], node.inputs[1]] + ([node.inputs[2]] if has_bias else []) + [node.outputs[0]]
+    kind = "depthwise " if p["G"] == p["C"] and p["G"] > 1 else ("grouped " if p["G"] > 1 else "")
+    desc = (f"{kind}{p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']}: "
+            f"{p['C']}x{p['H']}x{p['W']} -> {p['M']}x{p['OH']}x{p['OW']}")
+    return Kernel("conv2d", dtype_tag(g.t(node.outputs[0]).dtype), p, args, desc=desc)

@@ -1,0 +1,143 @@
+"""Elementwise operators: unary math, activations (also used as fused epilogues), and binary
+arithmetic with numpy broadcasting."""
+from __future__ import annotations
+
+import numpy as np
+
+from tinydeploy import ir
+from tinydeploy.codegen.cfmt import c_float
+from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+
+
+def _f(x) -> str:
+    return c_float(float(x))
+
+
+# C expressions over `v` (a float). Activations are the ones the fusion pass may fold into a
+# producing Conv/Gemm/MatMul/Add epilogue.
+def activation_expr(op: str, attrs: dict, g: ir.Graph | None = None, node: ir.Node | None = None) -> str:
+    if op == "Relu":
+        return "(v > 0.0f ? v : 0.0f)"
+    if op == "LeakyRelu":
+        return f"(v >= 0.0f ? v : {_f(attrs.get('alpha', 0.01))} * v)"
+    if op == "Clip":
+        lo, hi = clip_bounds(node, g) if node is not None else (attrs.get("min"), attrs.get("max"))
+        e = "v"
+        if lo is not None:
+            e = f"({e} < {_f(lo)} ? {_f(lo)} : {e})"
+        if hi is not None:
+            e = f"({e} > {_f(hi)} ? {_f(hi)} : {e})"
+        return e
+    raise KeyError(op)
+
+
+ACTIVATIONS = ("Relu", "LeakyRelu", "Clip")
+
+
+def clip_bounds(node: ir.Node, g: ir.Graph):
+    lo = g.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    hi = g.const(node.inputs[2]) if len(node.inputs) > 2 else None
+    return (None if lo is None else float(lo)), (None if hi is None else float(hi))
+
+
+def _clip_check(node, g):
+    for i in node.inputs[1:]:
+        if i and g.const(i) is None:
+            return "Clip with non-constant min/max"
+    return float_only(node, g, [node.inputs[0]])
+
+
+UNARY = {
+    "Sigmoid": lambda a: "(1.0f / (1.0f + expf(-v)))",
+    "Tanh": lambda a: "tanhf(v)",
+    "HardSigmoid": lambda a: f"fmaxf(0.0f, fminf(1.0f, {_f(a.get('alpha', 0.2))} * v + {_f(a.get('beta', 0.5))}))",
+    "HardSwish": lambda a: "(v * fmaxf(0.0f, fminf(1.0f, v * (1.0f / 6.0f) + 0.5f)))",
+    "Exp": lambda a: "expf(v)",
+    "Log": lambda a: "logf(v)",
+    "Sqrt": lambda a: "sqrtf(v)",
+    "Abs": lambda a: "fabsf(v)",
+    "Neg": lambda a: "(-v)",
+    "Reciprocal": lambda a: "(1.0f / v)",
+    "Floor": lambda a: "floorf(v)",
+    "Ceil": lambda a: "ceilf(v)",
+    "Elu": lambda a: f"(v >= 0.0f ? v : {_f(a.get('alpha', 1.0))} * (expf(v) - 1.0f))",
+    "Selu": lambda a: (f"({_f(a.get('gamma', 1.05070102214813232421875))} * (v > 0.0f ? v : "
+                       f"{_f(a.get('alpha', 1.67326319217681884765625))} * (expf(v) - 1.0f)))"),
+    "Softplus": lambda a: "(v > 20.0f ? v : log1pf(expf(v)))",
+    "Softsign": lambda a: "(v / (1.0f + fabsf(v)))",
+    "Erf": lambda a: "erff(v)",
+    "Sin": lambda a: "sinf(v)",
+    "Cos": lambda a: "cosf(v)",
+}
+
+
+def _unary_kernel(node: ir.Node, g: ir.Graph, expr: str) -> Kernel:
+    x, y = node.inputs[0], node.outputs[0]
+    n = g.t(y).size
+    return Kernel("unary", dtype_tag(g.t(y).dtype), {"n": n, "expr": expr}, [x, y], desc=f"{n} elements")
+
+
+for _op in ACTIVATIONS:
+    register(_op, inplace=True, check=_clip_check if _op == "Clip" else float_only)(
+        lambda node, g: _unary_kernel(node, g, activation_expr(node.op, node.attrs, g, node)))
+for _op in UNARY:
+    register(_op, inplace=True, check=float_only)(
+        lambda node, g: _unary_kernel(node, g, UNARY[node.op](node.attrs)))
+
+
+BINARY = {
+    "Add": "(a_ + b_)", "Sub": "(a_ - b_)", "Mul": "(a_ * b_)", "Div": "(a_ / b_)",
+    "Max": "fmaxf(a_, b_)", "Min": "fminf(a_, b_)", "Pow": "powf(a_, b_)",
+}
+
+
+def broadcast_loops(out_shape, in_shapes) -> tuple[list[int], list[list[int]]]:
+    """Coalesced loop extents and per-input element strides (0 where broadcast) for iterating the
+    output in order. Adjacent dims that broadcast the same way in every input are merged."""
+    r = len(out_shape)
+    strides = []
+    for s in in_shapes:
+        s = (1,) * (r - len(s)) + tuple(s)
+        st, acc = [0] * r, 1
+        for d in range(r - 1, -1, -1):
+            st[d] = acc if s[d] != 1 or out_shape[d] == 1 else 0
+            acc *= s[d]
+        strides.append(st)
+    dims, outs = [], [[] for _ in in_shapes]
+    for d in range(r):
+        n = out_shape[d]
+        if n == 1:
+            continue
+        if dims and all((outs[k][-1] == st[d] * n) for k, st in enumerate(strides)):
+            dims[-1] *= n
+            for k, st in enumerate(strides):
+                outs[k][-1] = st[d]
+            continue
+        dims.append(n)
+        for k, st in enumerate(strides):
+            outs[k].append(st[d])
+    if not dims:
+        dims, outs = [1], [[0] for _ in in_shapes]
+    return dims, outs
+
+
+def binary_kernel(node: ir.Node, g: ir.Graph, op: str, act: str | None = None) -> Kernel:
+    a, b, y = node.inputs[0], node.inputs[1], node.outputs[0]
+    dims, (sa, sb) = broadcast_loops(g.t(y).shape, [g.t(a).shape, g.t(b).shape])
+    return Kernel("binary", dtype_tag(g.t(y).dtype),
+                  {"dims": dims, "sa": sa, "sb": sb, "expr": BINARY[op], "act": act or "v"},
+                  [a, b, y], desc=f"{op} {list(g.t(a).shape)} , {list(g.t(b).shape)} -> {list(g.t(y).shape)}")
+
+
+def _binary_emit(node, g):
+    return binary_kernel(node, g, node.op, node.attrs.get("_act"))
+
+
+def _binary_check(node, g):
+    if len(node.inputs) != 2:
+        return f"{len(node.inputs)} inputs (expected 2)"
+    return float_only(node, g)
+
+
+for _op in BINARY:
+    register(_op, check=_binary_check, inplace=True)(_binary_emit)

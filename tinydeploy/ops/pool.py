@@ -1,0 +1,79 @@
+"""MaxPool, AveragePool (pads, ceil_mode, count_include_pad, dilations), global pools."""
+from __future__ import annotations
+
+from tinydeploy import ir
+from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+
+
+def _geometry(node: ir.Node, g: ir.Graph) -> dict:
+    x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
+    rank = len(x.shape) - 2
+    a = node.attrs
+    k = list(a["kernel_shape"])
+    s = list(a.get("strides", [1] * rank))
+    d = list(a.get("dilations", [1] * rank))
+    pads = list(a.get("pads", [0] * (2 * rank)))
+    xs, ys = list(x.shape), list(y.shape)
+    auto = a.get("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        for i in range(rank):
+            total = max(0, (ys[2 + i] - 1) * s[i] + (k[i] - 1) * d[i] + 1 - xs[2 + i])
+            small, big = total // 2, total - total // 2
+            pads[i], pads[i + rank] = (small, big) if auto == "SAME_UPPER" else (big, small)
+    elif auto == "VALID":
+        pads = [0] * (2 * rank)
+    if rank == 1:
+        xs.insert(2, 1), ys.insert(2, 1)
+        k, s, d, pads = [1] + k, [1] + s, [1] + d, [0, pads[0], 0, pads[1]]
+    return {"NC": xs[0] * xs[1], "H": xs[2], "W": xs[3], "OH": ys[2], "OW": ys[3],
+            "KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "DH": d[0], "DW": d[1],
+            "PT": pads[0], "PL": pads[1], "PB": pads[2], "PR": pads[3]}
+
+
+def _check(node, g):
+    if len(g.t(node.inputs[0]).shape) not in (3, 4):
+        return "only 1-D and 2-D pooling"
+    if len(node.outputs) > 1 and node.outputs[1]:
+        return "MaxPool Indices output"
+    if node.attrs.get("storage_order", 0):
+        return "storage_order=1"
+    return float_only(node, g, [node.inputs[0], node.outputs[0]])
+
+
+def _emit(node: ir.Node, g: ir.Graph) -> Kernel:
+    p = _geometry(node, g)
+    p["mode"] = "max" if node.op == "MaxPool" else "avg"
+    p["include_pad"] = bool(node.attrs.get("count_include_pad", 0))
+    desc = (f"{p['mode']} {p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']}: "
+            f"{p['NC']}x{p['H']}x{p['W']} -> {p['OH']}x{p['OW']}")
+    return Kernel("pool2d", dtype_tag(g.t(node.outputs[0]).dtype), p, [node.inputs[0], node.outputs[0]], desc=desc)
+
+
+def _macs(node, g):
+    k = node.attrs.get("kernel_shape", [1])
+    n = 1
+    for v in k:
+        n *= v
+    return g.t(node.outputs[0]).size * n
+
+
+register("MaxPool", check=_check, macs=_macs)(_emit)
+register("AveragePool", check=_check, macs=_macs)(_emit)
+
+
+def _global(node: ir.Node, g: ir.Graph) -> Kernel:
+    x = g.t(node.inputs[0])
+    nc = x.shape[0] * x.shape[1]
+    return Kernel("global_pool", dtype_tag(x.dtype),
+                  {"NC": nc, "HW": x.size // nc, "mode": "max" if node.op == "GlobalMaxPool" else "avg"},
+                  [node.inputs[0], node.outputs[0]], desc=f"{nc} channels of {x.size // nc}")
+
+
+def _gcheck(node, g):
+    if len(g.t(node.inputs[0]).shape) < 3:
+        return "input of rank < 3"
+    return float_only(node, g)
+
+
+register("GlobalAveragePool", check=_gcheck, macs=lambda n, g: g.t(n.inputs[0]).size)(_global)
+register("GlobalMaxPool", check=_gcheck)(_global)

@@ -1,0 +1,107 @@
+"""Operators that reduce or normalise along axes: Softmax, Reduce*, LRN, standalone BatchNorm."""
+from __future__ import annotations
+
+import numpy as np
+
+from tinydeploy import ir
+from tinydeploy.codegen.cfmt import c_float
+from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+from tinydeploy.ops.elementwise import broadcast_loops
+
+
+def _axis(node, g, default):
+    r = len(g.t(node.inputs[0]).shape)
+    a = int(node.attrs.get("axis", default))
+    return a + r if a < 0 else a
+
+
+@register("Softmax", check=float_only, inplace=False)
+def emit_softmax(node: ir.Node, g: ir.Graph) -> Kernel:
+    x = g.t(node.inputs[0])
+    ax = _axis(node, g, -1)
+    outer = int(np.prod(x.shape[:ax], dtype=np.int64))
+    inner = int(np.prod(x.shape[ax + 1:], dtype=np.int64))
+    return Kernel("softmax", dtype_tag(x.dtype), {"outer": outer, "n": x.shape[ax], "inner": inner},
+                  [node.inputs[0], node.outputs[0]], desc=f"over axis {ax} of {list(x.shape)}")
+
+
+REDUCE_OPS = {"ReduceMean": "mean", "ReduceSum": "sum", "ReduceMax": "max", "ReduceMin": "min"}
+
+
+def _reduce_axes(node, g) -> list[int] | None:
+    r = len(g.t(node.inputs[0]).shape)
+    if "axes" in node.attrs:
+        axes = list(node.attrs["axes"])
+    elif len(node.inputs) > 1 and node.inputs[1]:
+        c = g.const(node.inputs[1])
+        if c is None:
+            return None
+        axes = [int(v) for v in c.reshape(-1)]
+    else:
+        axes = []
+    if not axes and not node.attrs.get("noop_with_empty_axes", 0):
+        axes = list(range(r))
+    return sorted(a + r if a < 0 else a for a in axes)
+
+
+def _reduce_check(node, g):
+    if _reduce_axes(node, g) is None:
+        return "non-constant axes"
+    return float_only(node, g)
+
+
+def _reduce_emit(node: ir.Node, g: ir.Graph) -> Kernel:
+    x = g.t(node.inputs[0])
+    axes = _reduce_axes(node, g)
+    kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+    dims, (sx, sy) = broadcast_loops(x.shape, [x.shape, kept])
+    count = x.size // max(1, int(np.prod(kept, dtype=np.int64)))
+    return Kernel("reduce", dtype_tag(x.dtype),
+                  {"dims": dims, "sy": sy, "out": g.t(node.outputs[0]).size, "mode": REDUCE_OPS[node.op],
+                   "count": count}, [node.inputs[0], node.outputs[0]],
+                  desc=f"{REDUCE_OPS[node.op]} over axes {axes} of {list(x.shape)}")
+
+
+for _op in REDUCE_OPS:
+    register(_op, check=_reduce_check)(_reduce_emit)
+
+
+@register("LRN", check=float_only)
+def emit_lrn(node: ir.Node, g: ir.Graph) -> Kernel:
+    x = g.t(node.inputs[0])
+    a = node.attrs
+    size = int(a["size"])
+    return Kernel("lrn", dtype_tag(x.dtype),
+                  {"N": x.shape[0], "C": x.shape[1], "inner": x.size // (x.shape[0] * x.shape[1]),
+                   "lo": (size - 1) // 2, "hi": (size - 1) - (size - 1) // 2,
+                   "alpha_over_size": c_float(float(a.get("alpha", 1e-4)) / size),
+                   "beta": c_float(a.get("beta", 0.75)), "bias": c_float(a.get("bias", 1.0))},
+                  [node.inputs[0], node.outputs[0]], desc=f"size {size} over {list(x.shape)}")
+
+
+def _bn_check(node, g):
+    if any(g.const(i) is None for i in node.inputs[1:5]):
+        return "non-constant statistics"
+    if node.attrs.get("training_mode", 0) or len([o for o in node.outputs if o]) > 1:
+        return "training mode"
+    return float_only(node, g)
+
+
+def channel_affine(node: ir.Node, g: ir.Graph, x: str, scale: np.ndarray, shift: np.ndarray, y: str) -> Kernel:
+    xt = g.t(x)
+    names = []
+    for what, data in (("scale", scale), ("shift", shift)):
+        nm = g.fresh_name(f"{y}_{what}")
+        g.tensors[nm] = ir.Tensor(nm, data.shape, np.dtype(np.float32), data=data.astype(np.float32))
+        names.append(nm)
+    c = xt.shape[1] if len(xt.shape) > 1 else 1
+    inner = xt.size // (xt.shape[0] * c)
+    return Kernel("channel_affine", dtype_tag(xt.dtype), {"N": xt.shape[0], "C": c, "inner": inner,
+                  "act": node.attrs.get("_act", "v")}, [x, *names, y], desc=f"per-channel scale+shift of {list(xt.shape)}")
+
+
+@register("BatchNormalization", check=_bn_check, inplace=True)
+def emit_bn(node: ir.Node, g: ir.Graph) -> Kernel:
+    scale, bias, mean, var = (g.const(i).astype(np.float64) for i in node.inputs[1:5])
+    s = scale / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
+    return channel_affine(node, g, node.inputs[0], s, bias - mean * s, node.outputs[0])

@@ -1,0 +1,194 @@
+"""Data movement: views (Reshape, Flatten, Squeeze, Unsqueeze), Transpose, Concat, Split, Slice,
+Pad, Gather with constant indices, Expand, and Copy (inserted where an output needs its own buffer)."""
+from __future__ import annotations
+
+import numpy as np
+
+from tinydeploy import ir
+from tinydeploy.codegen.cfmt import c_float
+from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+from tinydeploy.ops.elementwise import broadcast_loops
+
+
+def _any_dtype(node, g):
+    return None
+
+
+for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+    register(_op, view=True, check=_any_dtype)(lambda node, g: None)
+
+
+def coalesce(dims: list[int], strides: list[int]) -> tuple[list[int], list[int]]:
+    """Merge adjacent loop levels where the inner one continues the outer one in memory."""
+    od, os_ = [], []
+    for n, s in zip(dims, strides):
+        if n == 1:
+            continue
+        if od and os_[-1] == s * n:
+            od[-1] *= n
+            os_[-1] = s
+        else:
+            od.append(n)
+            os_.append(s)
+    return (od, os_) if od else ([1], [0])
+
+
+def strided_copy(node, g, x: str, y: str, dims, strides, base: int, desc: str) -> Kernel:
+    dims, strides = coalesce(list(dims), list(strides))
+    return Kernel("strided_copy", dtype_tag(g.t(y).dtype), {"dims": dims, "strides": strides, "base": base},
+                  [x, y], desc=desc)
+
+
+def _contig_strides(shape) -> list[int]:
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= n
+    return st[::-1]
+
+
+@register("Transpose", check=_any_dtype)
+def emit_transpose(node: ir.Node, g: ir.Graph) -> Kernel:
+    x = g.t(node.inputs[0])
+    perm = list(node.attrs.get("perm", range(len(x.shape) - 1, -1, -1)))
+    st = _contig_strides(x.shape)
+    return strided_copy(node, g, node.inputs[0], node.outputs[0], [x.shape[p] for p in perm],
+                        [st[p] for p in perm], 0, f"perm {perm} of {list(x.shape)}")
+
+
+@register("Expand", check=_any_dtype)
+def emit_expand(node: ir.Node, g: ir.Graph) -> Kernel:
+    y = g.t(node.outputs[0])
+    dims, (sx,) = broadcast_loops(y.shape, [g.t(node.inputs[0]).shape])
+    return strided_copy(node, g, node.inputs[0], node.outputs[0], dims, sx, 0, f"to {list(y.shape)}")
+
+
+def _slice_params(node, g):
+    x = g.t(node.inputs[0])
+    vals = [g.const(i) if i else None for i in node.inputs[1:5]] + [None] * (4 - len(node.inputs[1:5]))
+    starts, ends, axes, steps = vals
+    r = len(x.shape)
+    axes = list(range(len(starts))) if axes is None else [int(a) + r if a < 0 else int(a) for a in axes]
+    steps = [1] * len(axes) if steps is None else [int(s) for s in steps]
+    first, step = [0] * r, [1] * r
+    for a, s, e, st in zip(axes, starts, ends, steps):
+        first[a], _, step[a] = slice(int(s), int(e), st).indices(x.shape[a])
+    return first, step
+
+
+def _slice_check(node, g):
+    if any(i and g.const(i) is None for i in node.inputs[1:5]):
+        return "non-constant starts/ends/axes/steps"
+    return None
+
+
+@register("Slice", check=_slice_check)
+def emit_slice(node: ir.Node, g: ir.Graph) -> Kernel:
+    x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
+    first, step = _slice_params(node, g)
+    st = _contig_strides(x.shape)
+    base = sum(f * s for f, s in zip(first, st))
+    return strided_copy(node, g, node.inputs[0], node.outputs[0], y.shape,
+                        [s * k for s, k in zip(st, step)], base, f"{list(x.shape)} -> {list(y.shape)}")
+
+
+@register("Concat", check=_any_dtype)
+def emit_concat(node: ir.Node, g: ir.Graph) -> Kernel:
+    y = g.t(node.outputs[0])
+    r = len(y.shape)
+    ax = int(node.attrs["axis"]) % r
+    outer = int(np.prod(y.shape[:ax], dtype=np.int64))
+    inner = int(np.prod(y.shape[ax + 1:], dtype=np.int64))
+    ins = [i for i in node.inputs if i and g.t(i).size > 0]
+    chunks = [g.t(i).shape[ax] * inner for i in ins]
+    return Kernel("concat", dtype_tag(y.dtype), {"outer": outer, "chunks": chunks, "total": y.shape[ax] * inner},
+                  ins + [node.outputs[0]], desc=f"{len(ins)} tensors along axis {ax}")
+
+
+@register("Split", check=_any_dtype)
+def emit_split(node: ir.Node, g: ir.Graph) -> Kernel:
+    x = g.t(node.inputs[0])
+    r = len(x.shape)
+    ax = int(node.attrs.get("axis", 0)) % r
+    outer = int(np.prod(x.shape[:ax], dtype=np.int64))
+    inner = int(np.prod(x.shape[ax + 1:], dtype=np.int64))
+    chunks = [g.t(o).shape[ax] * inner for o in node.outputs]
+    return Kernel("split", dtype_tag(x.dtype), {"outer": outer, "chunks": chunks, "total": x.shape[ax] * inner},
+                  [node.inputs[0]] + node.outputs, desc=f"into {len(chunks)} along axis {ax}")
+
+
+def _pad_check(node, g):
+    if len(node.inputs) > 1 and any(i and g.const(i) is None for i in node.inputs[1:]):
+        return "non-constant pads"
+    if node.attrs.get("mode", "constant") not in ("constant", "edge", "reflect"):
+        return f"mode {node.attrs.get('mode')}"
+    return float_only(node, g)
+
+
+@register("Pad", check=_pad_check)
+def emit_pad(node: ir.Node, g: ir.Graph) -> Kernel:
+    x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
+    r = len(x.shape)
+    pads = node.attrs.get("pads")
+    if pads is None:
+        pads = [int(v) for v in g.const(node.inputs[1])]
+    value = 0.0
+    if len(node.inputs) > 2 and node.inputs[2]:
+        value = float(g.const(node.inputs[2]).reshape(-1)[0]) if g.const(node.inputs[2]).size else 0.0
+    else:
+        value = float(node.attrs.get("value", 0.0))
+    axes = list(range(r))
+    if len(node.inputs) > 3 and node.inputs[3]:
+        axes = [int(a) % r for a in g.const(node.inputs[3])]
+    begin, end = [0] * r, [0] * r
+    for k, a in enumerate(axes):
+        begin[a], end[a] = int(pads[k]), int(pads[k + len(axes)])
+    mode = node.attrs.get("mode", "constant")
+    maps = []   # per axis: input index for each output index, -1 = the constant value
+    for a in range(r):
+        n = x.shape[a]
+        idx = []
+        for o in range(y.shape[a]):
+            i = o - begin[a]
+            if 0 <= i < n:
+                idx.append(i)
+            elif mode == "constant":
+                idx.append(-1)
+            elif mode == "edge":
+                idx.append(min(max(i, 0), n - 1))
+            else:  # reflect
+                period = 2 * (n - 1) if n > 1 else 1
+                i = abs(i) % period if period else 0
+                idx.append(period - i if i >= n else i)
+        maps.append(idx)
+    return Kernel("pad", dtype_tag(y.dtype), {"maps": maps, "strides": _contig_strides(x.shape),
+                  "value": c_float(value)}, [node.inputs[0], node.outputs[0]],
+                  desc=f"{mode} {list(x.shape)} -> {list(y.shape)}")
+
+
+def _gather_check(node, g):
+    if g.const(node.inputs[1]) is None:
+        return "non-constant indices"
+    return None
+
+
+@register("Gather", check=_gather_check)
+def emit_gather(node: ir.Node, g: ir.Graph) -> Kernel:
+    x = g.t(node.inputs[0])
+    r = len(x.shape)
+    ax = int(node.attrs.get("axis", 0)) % r
+    idx = [int(i) % x.shape[ax] if -x.shape[ax] <= int(i) < x.shape[ax] else None
+           for i in g.const(node.inputs[1]).reshape(-1)]
+    if None in idx:
+        from tinydeploy.errors import TinydeployError
+        raise TinydeployError(f"Gather node has an index out of range for axis {ax} of size {x.shape[ax]}")
+    return Kernel("gather", dtype_tag(x.dtype),
+                  {"outer": int(np.prod(x.shape[:ax], dtype=np.int64)), "n": x.shape[ax],
+                   "inner": int(np.prod(x.shape[ax + 1:], dtype=np.int64)), "idx": idx},
+                  [node.inputs[0], node.outputs[0]], desc=f"{len(idx)} of {x.shape[ax]} along axis {ax}")
+
+
+@register("Copy", check=_any_dtype)
+def emit_copy(node: ir.Node, g: ir.Graph) -> Kernel:
+    y = g.t(node.outputs[0])
+    return strided_copy(node, g, node.inputs[0], node.outputs[0], [y.size], [1], 0, f"{y.size} elements")

@@ -1,0 +1,54 @@
+"""onnxruntime as the reference, and comparing results with it."""
+from __future__ import annotations
+
+import numpy as np
+
+
+
+def random_inputs(specs: list[tuple[str, tuple, np.dtype]], seed: int) -> dict[str, np.ndarray]:
+    """Seeded inputs that respect each input's dtype: standard normal for floats, the full range
+    for 8-bit integers."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape, dt in specs:
+        dt = np.dtype(dt)
+        if dt.kind == "f":
+            out[name] = rng.standard_normal(shape).astype(dt)
+        else:
+            info = np.iinfo(dt)
+            out[name] = rng.integers(max(info.min, -128), min(info.max, 255) + 1, shape).astype(dt)
+    return out
+
+
+def run_onnxruntime(model_bytes: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
+    """Errors of `got` against `want`. max_rel_error is norm-wise per output,
+    max|got - want| / max|want|, so elements near zero do not dominate it."""
+    max_abs, max_rel = 0.0, 0.0
+    for a, b in zip(got, want):
+        a64, b64 = a.astype(np.float64), np.asarray(b).astype(np.float64)
+        if a64.shape != b64.shape:
+            return {"outputs_match": False, "max_abs_error": float("inf"), "max_rel_error": float("inf")}
+        if a64.size == 0:
+            continue
+        both_nan = np.isnan(a64) & np.isnan(b64)
+        diff = np.where(both_nan, 0.0, np.abs(a64 - b64))
+        if np.isnan(diff).any():
+            return {"outputs_match": False, "max_abs_error": float("nan"), "max_rel_error": float("nan")}
+        finite = np.isfinite(b64)
+        same_inf = (~finite) & (a64 == b64)
+        diff = np.where(same_inf, 0.0, diff)
+        scale = np.max(np.abs(np.where(finite, b64, 0.0)), initial=0.0)
+        e = float(diff.max(initial=0.0))
+        max_abs = max(max_abs, e)
+        max_rel = max(max_rel, e / scale if scale > 0 else (0.0 if e == 0 else float("inf")))
+    return {"outputs_match": max_rel <= rtol, "max_abs_error": max_abs, "max_rel_error": max_rel}

@@ -1,0 +1,42 @@
+"""Targets: how to compile for a kind of CPU (compiler, flags, ISA features the kernel registry
+may use, alignment). Boards (boards/*.json) name a target; board facts stay in the JSON."""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+from tinydeploy.errors import TinydeployError
+
+
+@dataclass
+class Target:
+    name: str
+    cc: str
+    cflags: list[str]
+    ldlibs: list[str] = field(default_factory=lambda: ["-lm"])
+    isas: list[str] = field(default_factory=list)    # kernel variants to prefer, best first
+    alignment: int = 16
+
+    def compiler(self) -> str:
+        path = shutil.which(self.cc)
+        if path is None:
+            raise TinydeployError(f"C compiler {self.cc!r} not found; install it (Debian: apt-get install gcc) "
+                                  "or set CC")
+        return path
+
+
+WARNINGS = ["-std=c99", "-Wall", "-Wextra", "-Werror"]
+
+
+def host() -> Target:
+    return Target("host", os.environ.get("CC", "cc"), WARNINGS + ["-O2"])
+
+
+TARGETS = {"host": host}
+
+
+def get_target(name: str) -> Target:
+    if name not in TARGETS:
+        raise TinydeployError(f"unknown target {name!r}; known: {', '.join(sorted(TARGETS))}")
+    return TARGETS[name]()
