@@ -37,9 +37,21 @@ def write_project(outdir: Path, files: dict[str, str], key: str) -> None:
                                              "files": sorted(files)}, indent=1) + "\n")
 
 
+def tool_fingerprint() -> str:
+    """A hash of tinydeploy's own code and templates, so a changed tool never reuses old builds."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted([*(root / "tinydeploy").rglob("*.py"), *(root / "firmware_templates").rglob("*"),
+                     *(root / "boards").glob("*.json")]):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def build_key(sha256: str, board: str, options: dict) -> str:
-    """What makes a build up to date: the model, the board, the options and the tool version."""
-    blob = json.dumps({"sha": sha256, "board": board, "opts": options, "v": __version__}, sort_keys=True)
+    """What makes a build up to date: the model, the board, the options and the tool itself."""
+    blob = json.dumps({"sha": sha256, "board": board, "opts": options, "v": __version__,
+                       "tool": tool_fingerprint()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

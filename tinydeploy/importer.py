@@ -116,6 +116,13 @@ def _normalise_opset(model: onnx.ModelProto) -> onnx.ModelProto:
         except Exception as e:
             raise TinydeployError(f"model uses opset {v}; converting it to opset {MIN_OPSET} failed: "
                                   f"{printable(str(e).splitlines()[0] if str(e) else type(e).__name__)}") from None
+        # The converter keeps the old IR version. Under IR < 4 shape inference ignores
+        # initializers that are not also graph inputs, which is what constant folding adds.
+        try:
+            model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(
+                [o for o in model.opset_import if o.domain in ("", "ai.onnx")], ignore_unknown=True))
+        except Exception:
+            pass
     elif v > onnx.defs.onnx_opset_version():
         raise TinydeployError(f"model uses opset {v}, newer than this onnx package knows "
                               f"({onnx.defs.onnx_opset_version()}); upgrade onnx")

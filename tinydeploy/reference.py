@@ -61,4 +61,4 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
         e = float(diff.max(initial=0.0))
         max_abs = max(max_abs, e)
         max_rel = max(max_rel, e / scale if scale > 0 else (0.0 if e == 0 else float("inf")))
-    return {"outputs_match": max_rel <= rtol, "max_abs_error": max_abs, "max_rel_error": max_rel}
+    return {"outputs_match": bool(max_rel <= rtol), "max_abs_error": max_abs, "max_rel_error": max_rel}

@@ -133,11 +133,18 @@ def _binary_emit(node, g):
     return binary_kernel(node, g, node.op, node.attrs.get("_act"))
 
 
+# Variadic ops: passes.expand_variadic turns them into chains of two-input nodes before lowering.
+VARIADIC = {"Sum": "Add", "Max": "Max", "Min": "Min"}
+
+
 def _binary_check(node, g):
-    if len(node.inputs) != 2:
+    n = len([i for i in node.inputs if i])
+    if n != 2 and not (node.op in VARIADIC and n >= 1):
         return f"{len(node.inputs)} inputs (expected 2)"
     return float_only(node, g)
 
 
 for _op in BINARY:
     register(_op, check=_binary_check, inplace=True)(_binary_emit)
+register("Sum", check=_binary_check, inplace=True)(
+    lambda node, g: binary_kernel(node, g, "Add", node.attrs.get("_act")))

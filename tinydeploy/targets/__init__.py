@@ -30,7 +30,8 @@ WARNINGS = ["-std=c99", "-Wall", "-Wextra", "-Werror"]
 
 
 def host() -> Target:
-    return Target("host", os.environ.get("CC", "cc"), WARNINGS + ["-O2"])
+    # -O3: gcc 12 vectorises the kernels' inner loops only at -O3 (measured 3.3x on ResNet-8).
+    return Target("host", os.environ.get("CC", "cc"), WARNINGS + ["-O3"])
 
 
 TARGETS = {"host": host}
