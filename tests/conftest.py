@@ -2,3 +2,36 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# ---- conformance summary (tests/test_conformance.py) -- begin ----------------------------------
+# Collects each conformance case's outcome from its report (also under pytest-xdist, where the
+# reports reach the controlling process) and prints the counts at the end of the run.
+_conformance_results = {}
+
+
+def pytest_runtest_logreport(report):
+    props = dict(report.user_properties)
+    case = props.get("conformance_case")
+    if case is None:
+        return
+    if report.failed:
+        _conformance_results[case] = (case, "failed", "")
+    elif report.when == "call":
+        if report.passed:
+            outcome = "passed"
+        elif hasattr(report, "wasxfail"):
+            outcome = "known failure"
+        else:
+            outcome = "unsupported"
+        _conformance_results[case] = (case, outcome, props.get("conformance_reason", ""))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _conformance_results:
+        return
+    from test_conformance import format_summary
+    terminalreporter.section("conformance")
+    for line in format_summary(list(_conformance_results.values())):
+        terminalreporter.write_line(line)
+# ---- conformance summary -- end -----------------------------------------------------------------

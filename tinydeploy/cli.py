@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224")
     sub.add_parser("boards", help="list the known boards")
+    sub.add_parser("ops", help="list the supported ONNX operators")
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
     p.add_argument("models", nargs="+")
     p.add_argument("--board", default="host")
@@ -73,6 +74,14 @@ def _dispatch(args, command: str) -> int:
             if b.get("ram_bytes"):
                 mem = f"  RAM {b['ram_bytes'] // 1024} KB, flash {b['flash_bytes'] // 1024} KB"
             print(f"{b['id']:<14} {b['name']}  [target {b['target']}, runs via {b['runner']}]{mem}")
+        return 0
+    if args.cmd == "ops":
+        import onnx
+        from tinydeploy.ops import REGISTRY
+        # Straight from the registry (internal ops such as Copy are not ONNX ops); Identity and
+        # Dropout never reach it: the passes remove them.
+        names = sorted({op for op in REGISTRY if onnx.defs.has(op)} | {"Identity", "Dropout"})
+        print(f"{len(names)} ONNX operators: " + ", ".join(names))
         return 0
     if args.cmd == "build":
         r = flow.build(args.model, args.board, args.outdir, args.force, shapes, command)

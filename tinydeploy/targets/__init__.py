@@ -35,6 +35,8 @@ def host() -> Target:
 
 
 TARGETS = {"host": host}
+from tinydeploy.targets.cortex_m import cortex_m4  # noqa: E402  (it needs Target above)
+TARGETS["cortex-m4"] = cortex_m4
 
 
 def get_target(name: str) -> Target:

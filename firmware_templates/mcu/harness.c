@@ -1,0 +1,698 @@
+/* harness.c: the device side of the MLPerf Tiny (EEMBC EnergyRunner) serial protocol, performance
+ * mode, plus three tinydeploy extensions. Portable C99, the same for every board; the board's
+ * port_<board>.c supplies the serial port and the tick counter (see port.h).
+ *
+ * Commands end with '%' (at most 80 characters before it; '\r' and '\n' are ignored). Every reply
+ * ends with the line "m-ready"; errors are "e-[...]" lines and the device keeps serving.
+ *   name%              m-name-dut-[<name>]
+ *   profile%           m-profile-[ULPMark for tinyML Firmware V0.0.1], m-model-[<id>]
+ *   timestamp%         m-lap-us-<u32>
+ *   db load N%         m-[Expecting N bytes]; then db <hex>% chunks until m-load-done
+ *   db print%          m-buffer-<hex> lines (32 bytes each) of the input buffer
+ *   infer N W%         m-warmup-start-W, m-warmup-done, m-infer-start-N, m-lap-us-<t0>,
+ *                      m-lap-us-<t1>, m-infer-done, m-results-[...]
+ *   results%           m-results-[...] of the last inference (%0.3f for float outputs)
+ * Extensions:
+ *   bload N CRC%       binary load: m-bload-ready-N, then exactly N raw bytes whose CRC-32
+ *                      (IEEE, as zlib.crc32) is CRC in hex; m-load-done or e-[crc ...]. A pause
+ *                      of more than TD_BULK_TIMEOUT_MS between bytes aborts it with e-[timeout ...].
+ *   rawout%            m-rawout-bytes-N, then m-raw-<hex> lines (32 bytes each): every output
+ *                      tensor's bytes, back to back, exactly as td_output(i) holds them
+ *   ticks%             m-ticks-total-T-runs-N-min-A-max-B-hz-H: port ticks spent in td_run()
+ *                      by the last infer command (sum over its N timed runs, fastest, slowest)
+ *   stack%             m-stack-used-U-of-R bytes (stack painted at reset)
+ *   quit%              m-bye, then port_exit(0) (ends an emulator; resets a real board)
+ * The input buffer holds every model input back to back (td_input_bytes(0) + ...); each
+ * inference copies it into the model's inputs first, so repeated runs see the same data.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include "model.h"
+#include "port.h"
+#include "harness.h"
+#include "harness_config.h"
+
+#ifndef TD_DUT_NAME
+#define TD_DUT_NAME "tinydeploy"
+#endif
+#ifndef TD_MODEL_ID
+#define TD_MODEL_ID "tinydeploy"
+#endif
+#ifndef TD_BULK_TIMEOUT_MS
+#define TD_BULK_TIMEOUT_MS 2000u
+#endif
+
+#define TD_CMD_MAX 80
+
+/* Total input bytes and the output element types, from model.h (up to 8 inputs and outputs). */
+#if TD_NUM_INPUTS < 1 || TD_NUM_INPUTS > 8 || TD_NUM_OUTPUTS < 1 || TD_NUM_OUTPUTS > 8
+#error "the harness supports 1 to 8 model inputs and outputs"
+#endif
+#define TD_IN_BYTES_AT(i) (TD_NUM_INPUTS > (i) ? TD_IN_BYTES_##i : 0u)
+#ifdef TD_INPUT0_BYTES
+#define TD_IN_BYTES_0 TD_INPUT0_BYTES
+#endif
+#ifdef TD_INPUT1_BYTES
+#define TD_IN_BYTES_1 TD_INPUT1_BYTES
+#else
+#define TD_IN_BYTES_1 0u
+#endif
+#ifdef TD_INPUT2_BYTES
+#define TD_IN_BYTES_2 TD_INPUT2_BYTES
+#else
+#define TD_IN_BYTES_2 0u
+#endif
+#ifdef TD_INPUT3_BYTES
+#define TD_IN_BYTES_3 TD_INPUT3_BYTES
+#else
+#define TD_IN_BYTES_3 0u
+#endif
+#ifdef TD_INPUT4_BYTES
+#define TD_IN_BYTES_4 TD_INPUT4_BYTES
+#else
+#define TD_IN_BYTES_4 0u
+#endif
+#ifdef TD_INPUT5_BYTES
+#define TD_IN_BYTES_5 TD_INPUT5_BYTES
+#else
+#define TD_IN_BYTES_5 0u
+#endif
+#ifdef TD_INPUT6_BYTES
+#define TD_IN_BYTES_6 TD_INPUT6_BYTES
+#else
+#define TD_IN_BYTES_6 0u
+#endif
+#ifdef TD_INPUT7_BYTES
+#define TD_IN_BYTES_7 TD_INPUT7_BYTES
+#else
+#define TD_IN_BYTES_7 0u
+#endif
+#define TD_IN_TOTAL (TD_IN_BYTES_0 + TD_IN_BYTES_1 + TD_IN_BYTES_2 + TD_IN_BYTES_3 + \
+                     TD_IN_BYTES_4 + TD_IN_BYTES_5 + TD_IN_BYTES_6 + TD_IN_BYTES_7)
+
+static const unsigned char td_out_dtype[TD_NUM_OUTPUTS] = {
+    TD_OUTPUT0_DTYPE
+#if TD_NUM_OUTPUTS > 1
+    , TD_OUTPUT1_DTYPE
+#endif
+#if TD_NUM_OUTPUTS > 2
+    , TD_OUTPUT2_DTYPE
+#endif
+#if TD_NUM_OUTPUTS > 3
+    , TD_OUTPUT3_DTYPE
+#endif
+#if TD_NUM_OUTPUTS > 4
+    , TD_OUTPUT4_DTYPE
+#endif
+#if TD_NUM_OUTPUTS > 5
+    , TD_OUTPUT5_DTYPE
+#endif
+#if TD_NUM_OUTPUTS > 6
+    , TD_OUTPUT6_DTYPE
+#endif
+#if TD_NUM_OUTPUTS > 7
+    , TD_OUTPUT7_DTYPE
+#endif
+};
+
+/* The input buffer the host loads (aligned for any element type). */
+static union {
+    unsigned char bytes[TD_IN_TOTAL];
+    double align_;
+} td_in;
+
+static char cmd[TD_CMD_MAX + 1];
+static unsigned cmd_len;
+static int cmd_too_long, cmd_bad_byte;
+
+static uint32_t db_expect, db_have;   /* db load in progress when db_expect > 0 */
+static int have_results;
+static uint32_t last_ticks, last_runs, last_min, last_max;
+
+/* ---- output ------------------------------------------------------------------------------ */
+
+static void put(const char *s)
+{
+    while (*s) {
+        port_putc(*s++);
+    }
+}
+
+static void endl(void)
+{
+    port_putc('\r');
+    port_putc('\n');
+}
+
+static void line(const char *s)
+{
+    put(s);
+    endl();
+}
+
+static void put_u32(uint32_t v)
+{
+    char buf[11];
+    int n = 0;
+    do {
+        buf[n++] = (char)('0' + v % 10u);
+        v /= 10u;
+    } while (v);
+    while (n) {
+        port_putc(buf[--n]);
+    }
+}
+
+static void put_i32(int32_t v)
+{
+    if (v < 0) {
+        port_putc('-');
+        put_u32((uint32_t)0 - (uint32_t)v);
+    } else {
+        put_u32((uint32_t)v);
+    }
+}
+
+static void put_hex8(unsigned v)
+{
+    static const char digits[] = "0123456789abcdef";
+    port_putc(digits[(v >> 4) & 15u]);
+    port_putc(digits[v & 15u]);
+}
+
+/* printf("%0.3f") without printf: finite values below 4e9 exactly rounded to 3 decimals, larger
+ * magnitudes as d.ddde+XX, and nan / inf / -inf. */
+static void put_f32(float v)
+{
+    uint32_t ip, frac;
+    if (v != v) {
+        put("nan");
+        return;
+    }
+    if (v < 0.0f) {
+        port_putc('-');
+        v = -v;
+    }
+    if (v > 3.4028235e38f) {
+        put("inf");
+        return;
+    }
+    if (v >= 4.0e9f) {
+        int e = 0;
+        while (v >= 10.0f) {
+            v /= 10.0f;
+            ++e;
+        }
+        frac = (uint32_t)(v * 1000.0f + 0.5f);
+        if (frac >= 10000u) {
+            frac /= 10u;
+            ++e;
+        }
+        put_u32(frac / 1000u);
+        port_putc('.');
+        port_putc((char)('0' + frac / 100u % 10u));
+        port_putc((char)('0' + frac / 10u % 10u));
+        port_putc((char)('0' + frac % 10u));
+        put("e+");
+        put_u32((uint32_t)e);
+        return;
+    }
+    ip = (uint32_t)v;
+    frac = (uint32_t)((v - (float)ip) * 1000.0f + 0.5f);
+    if (frac >= 1000u) {
+        ++ip;
+        frac -= 1000u;
+    }
+    put_u32(ip);
+    port_putc('.');
+    port_putc((char)('0' + frac / 100u));
+    port_putc((char)('0' + frac / 10u % 10u));
+    port_putc((char)('0' + frac % 10u));
+}
+
+/* e-[<msg><detail>] */
+static void error2(const char *msg, const char *detail)
+{
+    put("e-[");
+    put(msg);
+    put(detail);
+    line("]");
+}
+
+static void error(const char *msg)
+{
+    error2(msg, "");
+}
+
+static void ready(void)
+{
+    line("m-ready");
+}
+
+static void hex_lines(const char *prefix, const unsigned char *p, uint32_t n)
+{
+    uint32_t i;
+    for (i = 0; i < n; ++i) {
+        if (i % 32u == 0) {
+            if (i) {
+                endl();
+            }
+            put(prefix);
+        }
+        put_hex8(p[i]);
+    }
+    if (n) {
+        endl();
+    }
+}
+
+/* ---- parsing ----------------------------------------------------------------------------- */
+
+/* Decimal u32 with overflow check; returns 0 when s is not one. */
+static int parse_u32(const char *s, uint32_t *out)
+{
+    uint32_t v = 0;
+    if (!*s) {
+        return 0;
+    }
+    for (; *s; ++s) {
+        const uint32_t d = (uint32_t)(*s - '0');
+        if (d > 9u || v > (0xFFFFFFFFu - d) / 10u) {
+            return 0;
+        }
+        v = v * 10u + d;
+    }
+    *out = v;
+    return 1;
+}
+
+static int hex_digit(char c)
+{
+    if (c >= '0' && c <= '9') {
+        return c - '0';
+    }
+    if (c >= 'a' && c <= 'f') {
+        return c - 'a' + 10;
+    }
+    if (c >= 'A' && c <= 'F') {
+        return c - 'A' + 10;
+    }
+    return -1;
+}
+
+static int parse_hex32(const char *s, uint32_t *out)
+{
+    uint32_t v = 0;
+    int n = 0;
+    if (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+        s += 2;
+    }
+    for (; *s; ++s, ++n) {
+        const int d = hex_digit(*s);
+        if (d < 0 || n >= 8) {
+            return 0;
+        }
+        v = (v << 4) | (uint32_t)d;
+    }
+    if (!n) {
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+/* Splits cmd in place at spaces; returns the number of tokens (at most max). */
+static int tokenize(char *s, char **tok, int max)
+{
+    int n = 0;
+    while (*s) {
+        while (*s == ' ') {
+            *s++ = '\0';
+        }
+        if (!*s) {
+            break;
+        }
+        if (n == max) {
+            return max + 1;
+        }
+        tok[n++] = s;
+        while (*s && *s != ' ') {
+            ++s;
+        }
+    }
+    return n;
+}
+
+/* ---- CRC-32 (IEEE 802.3, reflected, as zlib.crc32), a nibble at a time -------------------- */
+
+static uint32_t crc32_update(uint32_t crc, unsigned char b)
+{
+    static const uint32_t t[16] = {
+        0x00000000u, 0x1DB71064u, 0x3B6E20C8u, 0x26D930ACu, 0x76DC4190u, 0x6B6B51F4u, 0x4DB26158u, 0x5005713Cu,
+        0xEDB88320u, 0xF00F9344u, 0xD6D6A3E8u, 0xCB61B38Cu, 0x9B64C2B0u, 0x86D3D2D4u, 0xA00AE278u, 0xBDBDF21Cu,
+    };
+    crc ^= b;
+    crc = (crc >> 4) ^ t[crc & 15u];
+    crc = (crc >> 4) ^ t[crc & 15u];
+    return crc;
+}
+
+/* ---- commands ---------------------------------------------------------------------------- */
+
+static void copy_inputs(void)
+{
+    const unsigned char *p = td_in.bytes;
+    int i;
+    for (i = 0; i < TD_NUM_INPUTS; ++i) {
+        memcpy(td_input(i), p, td_input_bytes(i));
+        p += td_input_bytes(i);
+    }
+}
+
+static void print_results(void)
+{
+    int i;
+    size_t k;
+    int first = 1;
+    put("m-results-[");
+    for (i = 0; i < TD_NUM_OUTPUTS; ++i) {
+        const void *o = td_output(i);
+        const size_t n = td_output_bytes(i);
+        if (td_out_dtype[i] == TD_FLOAT32) {
+            for (k = 0; k < n / sizeof(float); ++k, first = 0) {
+                float v;
+                memcpy(&v, (const unsigned char *)o + k * sizeof v, sizeof v);
+                put(first ? "" : ",");
+                put_f32(v);
+            }
+        } else if (td_out_dtype[i] == TD_INT32) {
+            for (k = 0; k < n / sizeof(int32_t); ++k, first = 0) {
+                int32_t v;
+                memcpy(&v, (const unsigned char *)o + k * sizeof v, sizeof v);
+                put(first ? "" : ",");
+                put_i32(v);
+            }
+        } else {
+            for (k = 0; k < n; ++k, first = 0) {
+                const unsigned char b = ((const unsigned char *)o)[k];
+                put(first ? "" : ",");
+                put_i32(td_out_dtype[i] == TD_INT8 ? (int32_t)(signed char)b : (int32_t)b);
+            }
+        }
+    }
+    line("]");
+}
+
+static void cmd_infer(char **tok, int n)
+{
+    uint32_t runs = 1, warm = 0, i, t0, dt, total = 0, lo = 0xFFFFFFFFu, hi = 0;
+    if (n > 3 || (n >= 2 && !parse_u32(tok[1], &runs)) || (n == 3 && !parse_u32(tok[2], &warm)) || runs == 0) {
+        error("usage: infer N W (N >= 1 timed runs after W warm-up runs)");
+        return;
+    }
+    if (db_expect) {
+        error("db load is not complete");
+        return;
+    }
+    put("m-warmup-start-");
+    put_u32(warm);
+    endl();
+    for (i = 0; i < warm; ++i) {
+        copy_inputs();
+        td_run();
+    }
+    line("m-warmup-done");
+    put("m-infer-start-");
+    put_u32(runs);
+    endl();
+    put("m-lap-us-");
+    put_u32(port_us());
+    endl();
+    for (i = 0; i < runs; ++i) {
+        copy_inputs();
+        t0 = port_ticks();
+        td_run();
+        dt = port_ticks() - t0;
+        total += dt;
+        lo = dt < lo ? dt : lo;
+        hi = dt > hi ? dt : hi;
+    }
+    put("m-lap-us-");
+    put_u32(port_us());
+    endl();
+    line("m-infer-done");
+    last_ticks = total;
+    last_runs = runs;
+    last_min = lo;
+    last_max = hi;
+    have_results = 1;
+    print_results();
+}
+
+static void cmd_db(char **tok, int n)
+{
+    uint32_t want;
+    if (n == 3 && !strcmp(tok[1], "load")) {
+        if (!parse_u32(tok[2], &want) || want == 0 || want > TD_IN_TOTAL) {
+            put("e-[db load: N must be 1..");
+            put_u32(TD_IN_TOTAL);
+            line(" (the input buffer size)]");
+            return;
+        }
+        db_expect = want;
+        db_have = 0;
+        put("m-[Expecting ");
+        put_u32(want);
+        line(" bytes]");
+    } else if (n == 2 && !strcmp(tok[1], "print")) {
+        hex_lines("m-buffer-", td_in.bytes, TD_IN_TOTAL);
+    } else if (n == 2) {
+        const char *h = tok[1];
+        const size_t len = strlen(h);
+        size_t i;
+        if (!db_expect) {
+            error("db: no db load in progress");
+            return;
+        }
+        if (len % 2u) {
+            error("db: odd number of hex digits");
+            return;
+        }
+        for (i = 0; i < len; ++i) {
+            if (hex_digit(h[i]) < 0) {
+                error("db: not hex");
+                return;
+            }
+        }
+        if (len / 2u > db_expect - db_have) {
+            error("db: more bytes than db load announced");
+            db_expect = 0;
+            return;
+        }
+        for (i = 0; i < len; i += 2) {
+            td_in.bytes[db_have++] = (unsigned char)(hex_digit(h[i]) * 16 + hex_digit(h[i + 1]));
+        }
+        if (db_have == db_expect) {
+            db_expect = 0;
+            line("m-load-done");
+        }
+    } else {
+        error("usage: db load N | db <hex> | db print");
+    }
+}
+
+/* Reads exactly n raw bytes into the input buffer; 0 on success, else the bytes received. */
+static int bulk_read(uint32_t n, uint32_t *got, uint32_t *crc)
+{
+    const uint32_t limit = (uint32_t)((uint64_t)port_tick_hz() * TD_BULK_TIMEOUT_MS / 1000u);
+    uint32_t i, last = port_ticks();
+    uint32_t c = 0xFFFFFFFFu;
+    for (i = 0; i < n;) {
+        const int b = port_getc();
+        if (b < 0) {
+            if (port_ticks() - last > limit) {
+                *got = i;
+                return -1;
+            }
+            continue;
+        }
+        td_in.bytes[i++] = (unsigned char)b;
+        c = crc32_update(c, (unsigned char)b);
+        last = port_ticks();
+    }
+    *got = n;
+    *crc = c ^ 0xFFFFFFFFu;
+    return 0;
+}
+
+static void cmd_bload(char **tok, int n)
+{
+    uint32_t want, crc, got, have_crc = 0;
+    if (n != 3 || !parse_u32(tok[1], &want) || !parse_hex32(tok[2], &crc)) {
+        error("usage: bload N CRC32HEX");
+        return;
+    }
+    if (want == 0 || want > TD_IN_TOTAL) {
+        put("e-[bload: N must be 1..");
+        put_u32(TD_IN_TOTAL);
+        line(" (the input buffer size)]");
+        return;
+    }
+    db_expect = 0;
+    put("m-bload-ready-");
+    put_u32(want);
+    endl();
+    if (bulk_read(want, &got, &have_crc)) {
+        put("e-[timeout: bulk load got ");
+        put_u32(got);
+        put(" of ");
+        put_u32(want);
+        line(" bytes]");
+        return;
+    }
+    if (have_crc != crc) {
+        put("e-[crc mismatch: received data has crc ");
+        put_hex8(have_crc >> 24);
+        put_hex8(have_crc >> 16);
+        put_hex8(have_crc >> 8);
+        put_hex8(have_crc);
+        line("]");
+        return;
+    }
+    line("m-load-done");
+}
+
+static void cmd_rawout(void)
+{
+    int i;
+    uint32_t total = 0;
+    for (i = 0; i < TD_NUM_OUTPUTS; ++i) {
+        total += (uint32_t)td_output_bytes(i);
+    }
+    put("m-rawout-bytes-");
+    put_u32(total);
+    endl();
+    for (i = 0; i < TD_NUM_OUTPUTS; ++i) {
+        hex_lines("m-raw-", (const unsigned char *)td_output(i), (uint32_t)td_output_bytes(i));
+    }
+}
+
+static void execute(void)
+{
+    char *tok[4];
+    const int n = tokenize(cmd, tok, 3);
+    if (n == 0) {
+        return;
+    }
+    if (n > 3) {
+        error2("too many arguments: ", tok[0]);
+    } else if (!strcmp(tok[0], "name") && n == 1) {
+        line("m-name-dut-[" TD_DUT_NAME "]");
+    } else if (!strcmp(tok[0], "profile") && n == 1) {
+        line("m-profile-[ULPMark for tinyML Firmware V0.0.1]");
+        line("m-model-[" TD_MODEL_ID "]");
+    } else if (!strcmp(tok[0], "timestamp") && n == 1) {
+        put("m-lap-us-");
+        put_u32(port_us());
+        endl();
+    } else if (!strcmp(tok[0], "db")) {
+        cmd_db(tok, n);
+    } else if (!strcmp(tok[0], "infer")) {
+        cmd_infer(tok, n);
+    } else if (!strcmp(tok[0], "results") && n == 1) {
+        if (have_results) {
+            print_results();
+        } else {
+            error("results: no inference has run yet");
+        }
+    } else if (!strcmp(tok[0], "bload")) {
+        cmd_bload(tok, n);
+    } else if (!strcmp(tok[0], "rawout") && n == 1) {
+        cmd_rawout();
+    } else if (!strcmp(tok[0], "ticks") && n == 1) {
+        put("m-ticks-total-");
+        put_u32(last_ticks);
+        put("-runs-");
+        put_u32(last_runs);
+        put("-min-");
+        put_u32(last_runs ? last_min : 0);
+        put("-max-");
+        put_u32(last_max);
+        put("-hz-");
+        put_u32(port_tick_hz());
+        endl();
+    } else if (!strcmp(tok[0], "stack") && n == 1) {
+        uint32_t reserved = 0;
+        const uint32_t used = port_stack_used(&reserved);
+        put("m-stack-used-");
+        put_u32(used);
+        put("-of-");
+        put_u32(reserved);
+        endl();
+    } else if (!strcmp(tok[0], "quit") && n == 1) {
+        line("m-bye");
+        port_exit(0);
+    } else {
+        error2("unknown command: ", tok[0]);
+    }
+}
+
+/* ---- main loop --------------------------------------------------------------------------- */
+
+void harness_init(void)
+{
+    port_init();
+    line("m-timestamp-mode-performance");
+    put("m-model-bytes-in-");
+    put_u32(TD_IN_TOTAL);
+    put("-arena-");
+    put_u32(TD_ARENA_BYTES);
+    endl();
+    line("m-init-done");
+    ready();
+}
+
+void harness_feed(int c)
+{
+    if (c == '%') {
+        cmd[cmd_len] = '\0';
+        if (cmd_too_long) {
+            error("command longer than 80 characters");
+        } else if (cmd_bad_byte) {
+            error("command has bytes that are not printable ASCII");
+        } else {
+            execute();
+        }
+        cmd_len = 0;
+        cmd_too_long = cmd_bad_byte = 0;
+        ready();
+    } else if (c == '\r' || c == '\n') {
+        /* ignored: hosts may end commands with a newline too */
+    } else if (cmd_len >= TD_CMD_MAX) {
+        cmd_too_long = 1;
+    } else {
+        if (c < 0x20 || c > 0x7e) {
+            cmd_bad_byte = 1;
+        }
+        cmd[cmd_len++] = (char)c;
+    }
+}
+
+void harness_poll(void)
+{
+    const int c = port_getc();
+    if (c >= 0) {
+        harness_feed(c);
+    }
+}
+
+#ifndef ARDUINO /* Arduino builds call harness_init() from setup() and harness_poll() from loop() */
+int main(void)
+{
+    harness_init();
+    for (;;) {
+        harness_poll();
+    }
+}
+#endif

@@ -1,0 +1,31 @@
+/* port.h: what the harness needs from a board. Everything else in the firmware is portable C99.
+ * A port is one small file (port_<board>.c): a serial port, a free-running tick counter, init and
+ * exit. The harness polls port_getc(), so no interrupts are needed. */
+#ifndef TD_PORT_H
+#define TD_PORT_H
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Clocks, serial port (115200 8N1 unless the board says otherwise) and tick counter. */
+void port_init(void);
+/* Sends one byte; blocks until the transmitter accepts it. */
+void port_putc(char c);
+/* One received byte (0..255), or -1 when none is waiting. Never blocks. */
+int port_getc(void);
+/* Free-running counter; wraps at 2^32. port_tick_hz() says how fast it counts. */
+uint32_t port_ticks(void);
+uint32_t port_tick_hz(void);
+/* Microseconds since port_init(); wraps at 2^32. */
+uint32_t port_us(void);
+/* Most stack bytes ever used since reset and the bytes reserved (0, 0 when unknown). */
+uint32_t port_stack_used(uint32_t *reserved);
+/* Ends the program: exit code to an emulator, reset or halt on a real board. */
+void port_exit(int code);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TD_PORT_H */
