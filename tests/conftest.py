@@ -35,3 +35,20 @@ def pytest_terminal_summary(terminalreporter):
     for line in format_summary(list(_conformance_results.values())):
         terminalreporter.write_line(line)
 # ---- conformance summary -- end -----------------------------------------------------------------
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def resnets(tmp_path_factory):
+    """ResNet-18 and ResNet-50 v1.5 built by models/make_models.py (seeded, deterministic)."""
+    import onnx
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import make_models
+    out = tmp_path_factory.mktemp("resnets")
+    paths = {}
+    for name in ("resnet18", "resnet50"):
+        paths[name] = out / f"{name}.onnx"
+        onnx.save(make_models.build(name, seed=0), paths[name])
+    return paths

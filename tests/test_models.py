@@ -32,19 +32,6 @@ def test_mlperf_fp32_matches_onnxruntime_with_arena_at_lower_bound(name, tmp_pat
     assert mem["weights_bytes"] > 0
 
 
-@pytest.fixture(scope="module")
-def resnets(tmp_path_factory):
-    sys.path.insert(0, str(REPO / "models"))
-    import make_models
-    out = tmp_path_factory.mktemp("resnets")
-    paths = {}
-    for name in ("resnet18", "resnet50"):
-        import onnx
-        paths[name] = out / f"{name}.onnx"
-        onnx.save(make_models.build(name, seed=0), paths[name])
-    return paths
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 def test_resnet_matches_onnxruntime(name, resnets, tmp_path):

@@ -9,6 +9,7 @@ import shlex
 import sys
 
 from tinydeploy import __version__
+from tinydeploy.codegen.cfmt import printable  # model file names reach the terminal only through it
 from tinydeploy.errors import TinydeployError
 
 
@@ -32,6 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inputs", help=".npz (arrays named like the model inputs) or .npy (single input)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--emulate", action="store_true", help="run a board's build here under QEMU")
     p = sub.add_parser("inspect", help="operator table, shapes, MACs, parameters, unsupported operators")
     p.add_argument("model")
     p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224")
@@ -88,16 +90,12 @@ def _dispatch(args, command: str) -> int:
         _print_summary(r.summary)
         return 0
     if args.cmd == "run":
-        res = flow.run(args.model, args.board, args.inputs, args.seed, shapes, args.outdir, args.force, command)
+        res = flow.run(args.model, args.board, args.inputs, args.seed, shapes, args.outdir, args.force, command,
+                       emulate=args.emulate)
         if args.json:
             print(json.dumps(res))
         else:
-            print(f"{res['model']} on {res['board']}: outputs {'match' if res['outputs_match'] else 'DIFFER'} "
-                  f"(max abs error {res['max_abs_error']:.3g}, max rel error {res['max_rel_error']:.3g}, "
-                  f"tolerance {res['tolerance']:g})")
-            lat, mem = res["latency"], res["memory"]
-            print(f"latency {lat['median_ms']:.4f} ms median of {lat['runs']} runs; arena {mem['arena_bytes']} B "
-                  f"(lower bound {mem['lower_bound_bytes']} B), weights {mem['weights_bytes']} B")
+            _print_run(res)
         return 0 if res["outputs_match"] else 1
     if args.cmd == "inspect":
         from tinydeploy.inspect import inspect_model
@@ -110,8 +108,21 @@ def _dispatch(args, command: str) -> int:
     raise TinydeployError(f"unknown command {args.cmd}")
 
 
+def _print_run(res: dict) -> None:
+    print(f"{printable(res['model'])} on {res['board']}: outputs {'match' if res['outputs_match'] else 'DIFFER'} "
+          f"(max abs error {res['max_abs_error']:.3g}, max rel error {res['max_rel_error']:.3g}, "
+          f"tolerance {res['tolerance']})")
+    lat, mem = res["latency"], res["memory"]
+    if lat.get("median_ms") is not None:
+        print(f"latency {lat['median_ms']:.4f} ms median of {lat['runs']} runs")
+    elif res.get("emulated"):
+        print("latency not measured: emulated run (user-mode QEMU says nothing about speed)")
+    print(f"memory: arena {mem['arena_bytes']:,} B (lower bound {mem['lower_bound_bytes']:,} B), "
+          f"weights {mem['weights_bytes']:,} B")
+
+
 def _print_summary(s: dict) -> None:
-    print(f"{s['model']} -> {s['outdir']} ({s['board']})")
+    print(f"{printable(s['model'])} -> {printable(s['outdir'])} ({s['board']})")
     print(f"  layers {s['layers']}, MACs {s['macs']:,}, weights {s['weights_bytes']:,} B")
     print(f"  arena {s['arena_bytes']:,} B (lower bound {s['lower_bound_bytes']:,} B)")
     for n in s["notes"]:

@@ -26,7 +26,7 @@ def progress(msg: str) -> None:
 
 
 def default_outdir(model: Path, board: str) -> Path:
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", model.stem).lstrip(".") or "model"
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", model.stem).lstrip(".-") or "model"  # no hidden or option-like names
     return Path("build") / f"{stem[:64]}-{board}"
 
 
@@ -47,7 +47,7 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
     outdir = Path(outdir) if outdir else default_outdir(model, board_id)
     log = (lambda m: None) if quiet else progress
     if not model.is_file():
-        raise TinydeployError(f"model file {printable(str(model))!r} does not exist")
+        raise TinydeployError(f"model file {printable(str(model))!r} does not exist or is not a file")
     from tinydeploy.importer import sha256_file
     key = bld.build_key(sha256_file(model), board_id,
                         {"shapes": sorted((k, list(v)) for k, v in (input_shapes or {}).items()),
@@ -86,14 +86,16 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
 def load_inputs(path: Path, g_inputs: list[tuple[str, tuple, np.dtype]]) -> dict[str, np.ndarray]:
     try:
         data = np.load(path, allow_pickle=False)
+        # an .npz loads its arrays lazily: read them here, where errors are caught
+        arrays = dict(data.items()) if hasattr(data, "items") else {g_inputs[0][0]: data}
     except Exception as e:
         raise TinydeployError(f"cannot read inputs from {printable(str(path))!r}: {printable(str(e), 120)}") from None
-    arrays = dict(data.items()) if hasattr(data, "items") else {g_inputs[0][0]: data}
     out = {}
     for name, shape, dtype in g_inputs:
         if name not in arrays:
             raise TinydeployError(f"{printable(str(path))} has no array named {printable(name)!r} "
-                                  f"(it has {', '.join(map(printable, arrays)) or 'none'})")
+                                  f"(expected {np.dtype(dtype).name} {'x'.join(map(str, shape))}; "
+                                  f"it has {', '.join(map(printable, arrays)) or 'none'})")
         a = arrays[name]
         if tuple(a.shape) != tuple(shape) or a.dtype != dtype:
             raise TinydeployError(f"input {printable(name)!r}: expected {np.dtype(dtype).name} "
@@ -106,13 +108,15 @@ def io_specs(summary: dict, kind: str) -> list[tuple[str, tuple, np.dtype]]:
     return [(n, tuple(shape), np.dtype(dt)) for n, shape, dt in summary[kind]]
 
 
-def execute(exe: Path, feeds: list[np.ndarray], out_specs: list[tuple[tuple, np.dtype]], runs: int = 0):
-    """Run the host binary on inputs; returns (outputs, median latency in ms or None)."""
+def execute(exe: Path, feeds: list[np.ndarray], out_specs: list[tuple[tuple, np.dtype]], runs: int = 0,
+            prefix: list[str] = ()):
+    """Run the harness binary on inputs (under `prefix`, e.g. qemu-aarch64, when emulating);
+    returns (outputs, median latency in ms or None)."""
     with tempfile.TemporaryDirectory(prefix="tinydeploy-") as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
         fin.write_bytes(b"".join(np.ascontiguousarray(a).tobytes() for a in feeds))
         try:
-            r = subprocess.run([str(exe.resolve()), str(fin), str(fout), str(runs)], capture_output=True,
+            r = subprocess.run([*prefix, str(exe.resolve()), str(fin), str(fout), str(runs)], capture_output=True,
                                text=True, timeout=3600)
         except subprocess.TimeoutExpired:
             raise TinydeployError("the model binary ran for more than an hour; stopped it") from None
@@ -139,23 +143,54 @@ def measure_runs(exe: Path, feeds, out_specs, budget_s: float = 1.0) -> tuple[fl
     return ms, runs
 
 
+def reference_model_bytes(model: Path) -> bytes:
+    """The model as onnxruntime gets it. onnxruntime resolves the external data of a model given
+    as bytes against the current folder, so such data is inlined here, loaded by
+    importer.load_model (which reads only files inside the model's folder)."""
+    import onnx
+    from tinydeploy.importer import load_model
+    data = model.read_bytes()
+    m = onnx.load_model_from_string(data)
+    if not any(t.data_location == onnx.TensorProto.EXTERNAL
+               for t in onnx.external_data_helper._get_all_tensors(m)):
+        return data
+    return load_model(model).SerializeToString()
+
+
+def runner_prefix(board: dict, emulate: bool) -> list[str]:
+    """How to start the harness binary of a Linux board here: natively (host) or under QEMU."""
+    if board["id"] == "host" or board["kind"] != "linux":
+        return []
+    if not emulate:
+        raise TinydeployError(f"board {board['id']} is not this machine: add --emulate to run the build under "
+                              f"{board['qemu']['user']} here")
+    import shutil
+    tool = board["qemu"]["user"]
+    if shutil.which(tool) is None:
+        raise TinydeployError(f"{tool} not found; install it (Debian: apt-get install qemu-user)")
+    return [tool, "-cpu", board["qemu"]["cpu"]]
+
+
 def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=None, outdir=None,
         force: bool = False, command: str = "", quiet: bool = False, extra_cflags=None, cc=None,
-        latency: bool = True) -> dict:
+        latency: bool = True, emulate: bool = False) -> dict:
     model = Path(model)
+    prefix = runner_prefix(boards.get_board(board_id), emulate)
     b = build(model, board_id, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
               extra_cflags=extra_cflags, cc=cc)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
-    got, _ = execute(b.exe, [feeds[n] for n, _, _ in specs], out_specs)
-    want = reference.run_onnxruntime(model.read_bytes(), feeds)
-    cmp = reference.compare(got, want, FP32_RTOL)
-    result = {"model": model.name, "board": board_id, **cmp, "tolerance": FP32_RTOL,
+    got, _ = execute(b.exe, [feeds[n] for n, _, _ in specs], out_specs, prefix=prefix)
+    want = reference.run_onnxruntime(reference_model_bytes(model), feeds)
+    cmp = reference.compare_outputs(got, want, FP32_RTOL)   # 8-bit outputs: in LSBs
+    result = {"model": model.name, "board": board_id, **cmp,
               "latency": {"median_ms": None, "runs": 0},
               "memory": {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
                          "weights_bytes": b.summary["weights_bytes"]}}
-    if latency:
+    if prefix:
+        result["emulated"] = True   # user-mode QEMU: results are real, time is not
+    elif latency:
         ms, runs = measure_runs(b.exe, [feeds[n] for n, _, _ in specs], out_specs)
         result["latency"] = {"median_ms": ms, "runs": runs}
     return result

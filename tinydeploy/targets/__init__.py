@@ -21,8 +21,9 @@ class Target:
     def compiler(self) -> str:
         path = shutil.which(self.cc)
         if path is None:
-            raise TinydeployError(f"C compiler {self.cc!r} not found; install it (Debian: apt-get install gcc) "
-                                  "or set CC")
+            pkg = {"arm-none-eabi-gcc": "gcc-arm-none-eabi", "aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu"}
+            raise TinydeployError(f"C compiler {self.cc!r} not found; install it (Debian: apt-get install "
+                                  f"{pkg.get(self.cc, 'gcc')}){' or set CC' if self.name == 'host' else ''}")
         return path
 
 
@@ -37,6 +38,9 @@ def host() -> Target:
 TARGETS = {"host": host}
 from tinydeploy.targets.cortex_m import cortex_m4  # noqa: E402  (it needs Target above)
 TARGETS["cortex-m4"] = cortex_m4
+from tinydeploy.targets.aarch64 import CPUS as _A64, aarch64  # noqa: E402
+for _cpu in _A64:
+    TARGETS[f"aarch64-{_cpu}"] = (lambda c: lambda: aarch64(c))(_cpu)
 
 
 def get_target(name: str) -> Target:
