@@ -14,13 +14,14 @@ BOARDS_DIR = Path(__file__).resolve().parents[1] / "boards"
 
 
 @lru_cache(maxsize=1)
-def schema() -> dict:
-    return json.loads((BOARDS_DIR / "schema.json").read_text())
+def _validator():
+    schema = json.loads((BOARDS_DIR / "schema.json").read_text())
+    return jsonschema.Draft202012Validator(schema)
 
 
 def validate(data: dict, where: str = "board") -> dict:
     try:
-        jsonschema.validate(data, schema())
+        _validator().validate(data)
     except jsonschema.ValidationError as e:
         path = "/".join(str(p) for p in e.absolute_path) or "(top level)"
         raise TinydeployError(f"{where}: invalid board manifest at {path}: {printable(e.message, 200)}") from None

@@ -169,11 +169,10 @@ def pio_board_manifest(board: dict) -> dict:
         upload.update(protocol="sam-ba", protocols=["sam-ba"])
     elif tool:
         upload.update(protocol=tool, protocols=[tool])
-    for key in ("use_1200bps_touch", "touch_1200bps", "touch_1200_baud", "1200bps_touch"):
-        if up.get(key):
-            upload["use_1200bps_touch"] = True
-    if up.get("wait_for_upload_port", upload.get("use_1200bps_touch", False)):
-        upload["wait_for_upload_port"] = True
+    if up.get("touch_baud") == 1200 or up.get("use_1200bps_touch"):
+        # SAM-BA bootloaders (Arduino): opening the port at 1200 baud resets the board into the
+        # bootloader, which comes back as a new serial port.
+        upload.update(use_1200bps_touch=True, wait_for_upload_port=True)
     return {
         "name": board["name"],
         "vendor": "tinydeploy",
@@ -228,10 +227,10 @@ def _locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _pio_version(pio: str) -> str:
+def _pio_version(pio: str, core: Path) -> str:
     try:
         out = subprocess.run([pio, "--version"], capture_output=True, text=True, timeout=120,
-                             env=_base_env(None)).stdout
+                             env=_base_env(core)).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise TinydeployError(f"`{pio} --version` failed ({e}); reinstall with `pip install platformio`") from None
     m = re.search(r"version\s+(\S+)", out)
@@ -269,7 +268,7 @@ def _stamp(core: Path, pio: str, gcc: Path, scons: Path, manifests: dict) -> str
 
 
 def ensure_core(boards: dict[str, dict] | None = None, quiet: bool = True) -> dict:
-    """Prepare tinydeploy's PlatformIO core folder (idempotent; a few milliseconds once done) and
+    """Prepare tinydeploy's PlatformIO core folder (idempotent; about 0.1 s once done) and
     return the environment for running `pio` in it: offline, no telemetry, no upgrade checks.
 
     `boards` (id -> tinydeploy board dict) defaults to every boards/<id>.json."""
@@ -281,13 +280,12 @@ def ensure_core(boards: dict[str, dict] | None = None, quiet: bool = True) -> di
     stamp_path = core / "tinydeploy" / "stamp.json"
     stamp = _stamp(core, pio, gcc, scons, manifests)
     env = _base_env(core)
-    try:
-        if json.loads(stamp_path.read_text()).get("stamp") == stamp:
-            return env
-    except (OSError, ValueError):
-        pass
+    if _up_to_date(core, stamp_path, stamp):
+        return env
 
     with _locked(core / "tinydeploy" / "ensure.lock"):
+        if _up_to_date(core, stamp_path, stamp):     # another process just did it
+            return env
         if not quiet:
             _say(f"preparing the offline PlatformIO core in {core}")
         major = re.match(r"\d+", _scons_version(scons))
@@ -297,10 +295,22 @@ def ensure_core(boards: dict[str, dict] | None = None, quiet: bool = True) -> di
         _install_tool_scons(core, scons)
         toolchain = _install_toolchain(core, gcc)
         _install_platform(core, toolchain, manifests)
-        _write_appstate(core, _pio_version(pio))
+        _write_appstate(core, _pio_version(pio, core))
         _write(stamp_path, _dump({"stamp": stamp, "tinydeploy": __version__, "pio": pio, "gcc": str(gcc),
                                   "scons": str(scons), "boards": sorted(manifests)}))
     return env
+
+
+def _up_to_date(core: Path, stamp_path: Path, stamp: str) -> bool:
+    # A missing piece (someone cleaned part of the folder) would send pio to the registry: check them.
+    needed = [core / "packages" / "tool-scons" / ".piopm", core / "packages" / "tool-scons" / "scons.py",
+              core / "tinydeploy" / TOOLCHAIN_NAME / "bin" / "arm-none-eabi-gcc",
+              platform_dir(core) / "platform.json", platform_dir(core) / "builder" / "main.py",
+              core / "appstate.json"]
+    try:
+        return json.loads(stamp_path.read_text()).get("stamp") == stamp and all(p.exists() for p in needed)
+    except (OSError, ValueError):
+        return False
 
 
 def _install_tool_scons(core: Path, scons_parent: Path) -> None:
@@ -383,7 +393,7 @@ def _ini_value(s: str) -> str:
     return s
 
 
-def write_platformio_ini(project_dir: Path | str, board: str, *, ldscript: str = "linker.ld",
+def write_platformio_ini(project_dir: Path | str, board: str, *, ldscript: str = "link.ld",
                          build_flags: list[str] | None = None, model: str | None = None,
                          all_boards: dict[str, dict] | None = None) -> Path:
     """Write <project_dir>/platformio.ini for a tinydeploy board: an offline env named after the board
@@ -398,19 +408,23 @@ def write_platformio_ini(project_dir: Path | str, board: str, *, ldscript: str =
     if b.get("kind") != "mcu":
         raise TinydeployError(f"board {board!r} is not a microcontroller; PlatformIO projects are for "
                               f"kind \"mcu\" boards")
-    flags = cpu_flags(b) + ["-O2", "-ffunction-sections", "-fdata-sections"] + list(build_flags or [])
+    # The platform adds -ffunction-sections -fdata-sections -Wall; the CPU flags are written here too so
+    # the file says what the code is compiled for.
+    flags = list(dict.fromkeys(cpu_flags(b) + ["-O2"] + list(build_flags or [])))
     core = core_dir()
     lines = [
         f"; Generated by tinydeploy {__version__} for board {board} ({printable(b['name'], 80)})"
         + (f", model {printable(model, 60)}" if model else "") + ".",
         f"; [env:{board}] builds offline with tinydeploy's own PlatformIO platform and the system's",
-        "; arm-none-eabi toolchain; no PlatformIO registry needed. To build it by hand:",
+        "; arm-none-eabi toolchain, from the PlatformIO core folder tinydeploy prepares (core_dir below);",
+        "; no PlatformIO registry needed. In this folder a plain `pio run` is enough. From elsewhere",
+        "; (`pio run -d <here>`) set the same core and settings in the environment first:",
         f";   export PLATFORMIO_CORE_DIR={core}",
         ";   export PLATFORMIO_DISABLE_UPGRADE_CHECK=true PLATFORMIO_SETTING_ENABLE_TELEMETRY=no",
-        ";   pio run",
-        "; (`tinydeploy` prepares that core folder; the firmware is .pio/build/<env>/firmware.elf.)",
+        "; The firmware is .pio/build/<env>/firmware.elf (.bin, .hex beside it).",
         "",
         "[platformio]",
+        "core_dir = " + _ini_value(str(core)),
         "; only the offline env by default: a bare `pio run` must not reach for the registry",
         f"default_envs = {board}",
         "",
@@ -434,9 +448,7 @@ def write_platformio_ini(project_dir: Path | str, board: str, *, ldscript: str =
             f"platform = {reg['platform']}",
             f"board = {reg['board']}",
             f"framework = {reg['framework']}",
-            "build_flags =",
-            "    -O2",
-            *[f"    {_ini_value(f)}" for f in (build_flags or [])],
+            "build_flags = -O2",
             "",
         ]
     path = project_dir / "platformio.ini"
@@ -495,7 +507,7 @@ def _run_pio(args: list[str], project_dir: Path, env: dict, log_path: Path, time
         raise TinydeployError(f"{what} took more than {timeout:.0f} s and was stopped; full log: {log_path}")
     if rc != 0:
         text = "\n".join(lines)
-        if "HTTPClientError" in text or "InternetConnectionError" in text or "registry" in text.lower():
+        if any(k in text for k in ("HTTPClientError", "InternetConnectionError", "registry.platformio.org")):
             hint = "PlatformIO tried to reach its registry (this machine is offline?)"
         else:
             errs = [ln for ln in lines if re.search(r"\berror\b|Error:", ln)]
@@ -527,17 +539,58 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _check_platform_paths(project_dir: Path) -> None:
+    """A `platform = symlink://...` naming a folder that is gone would make pio fail late and obscurely."""
+    text = (project_dir / "platformio.ini").read_text(errors="replace")
+    for m in re.finditer(r"^\s*platform\s*=\s*symlink://(\S+)", text, re.M):
+        if not (Path(m.group(1)) / "platform.json").is_file():
+            raise TinydeployError(f"{project_dir / 'platformio.ini'} names the platform folder {m.group(1)}, "
+                                  f"which does not exist (tinydeploy's core folder is now {core_dir()}); "
+                                  "write platformio.ini again")
+
+
+def env_platform(project_dir: Path | str, env_name: str) -> str | None:
+    """The `platform` of [env:<env_name>] in platformio.ini (following `extends`), or None."""
+    import configparser  # noqa: PLC0415
+    cfg = configparser.ConfigParser(interpolation=None, strict=False, inline_comment_prefixes=(";",))
+    try:
+        cfg.read(Path(project_dir) / "platformio.ini")
+    except configparser.Error as e:
+        raise TinydeployError(f"{Path(project_dir) / 'platformio.ini'}: {printable(str(e), 160)}") from None
+    section, seen = f"env:{env_name}", set()
+    while section in cfg and section not in seen:
+        seen.add(section)
+        if cfg.has_option(section, "platform"):
+            return cfg.get(section, "platform").strip()
+        parents = [x.strip() for x in cfg.get(section, "extends", fallback="").split(",") if x.strip()]
+        section = parents[0] if parents else ""
+    return cfg.get("env", "platform", fallback=None)
+
+
+def _refuse_registry_env(project_dir: Path, env_name: str) -> None:
+    platform = env_platform(project_dir, env_name)
+    if platform and not platform.startswith(("symlink://", "file://")):
+        raise TinydeployError(f"env {env_name!r} uses the registry platform {printable(platform, 60)!r}, which "
+                              "needs the PlatformIO registry (offline it fails after about a minute); "
+                              f"tinydeploy builds only offline envs: run `pio run -e {env_name}` yourself on "
+                              "a machine with internet, or pass allow_registry=True")
+
+
 def build_command(project_dir: Path | str, env_name: str) -> list[str]:
     return [find_pio(), "run", "-e", env_name, "-d", str(Path(project_dir).resolve())]
 
 
 def pio_build(project_dir: Path | str, env_name: str, timeout: float = BUILD_TIMEOUT_S,
-              quiet: bool = False) -> Path:
-    """`pio run -e env_name` in project_dir, offline; returns .pio/build/<env>/firmware.elf."""
+              quiet: bool = False, allow_registry: bool = False) -> Path:
+    """`pio run -e env_name` in project_dir, offline; returns .pio/build/<env>/firmware.elf.
+    Envs on a registry platform (e.g. nano33ble_arduino) are refused unless allow_registry."""
     project_dir = Path(project_dir).resolve()
     if not (project_dir / "platformio.ini").is_file():
         raise TinydeployError(f"{project_dir} has no platformio.ini; write it first (write_platformio_ini)")
+    if not allow_registry:
+        _refuse_registry_env(project_dir, env_name)
     env = ensure_core(quiet=quiet)
+    _check_platform_paths(project_dir)
     log = project_dir / ".pio" / f"tinydeploy-build-{env_name}.log"
     _run_pio(build_command(project_dir, env_name), project_dir, env, log, timeout, quiet,
              f"pio run -e {env_name}")
@@ -557,10 +610,15 @@ def upload_command(project_dir: Path | str, env_name: str, port: str | None = No
 
 
 def pio_upload(project_dir: Path | str, env_name: str, port: str | None = None,
-               timeout: float = BUILD_TIMEOUT_S, quiet: bool = False) -> None:
+               timeout: float = BUILD_TIMEOUT_S, quiet: bool = False, allow_registry: bool = False) -> None:
     """Build if needed and flash a real board through PlatformIO (offline, like pio_build)."""
     project_dir = Path(project_dir).resolve()
+    if not (project_dir / "platformio.ini").is_file():
+        raise TinydeployError(f"{project_dir} has no platformio.ini; write it first (write_platformio_ini)")
+    if not allow_registry:
+        _refuse_registry_env(project_dir, env_name)
     env = ensure_core(quiet=quiet)
+    _check_platform_paths(project_dir)
     log = project_dir / ".pio" / f"tinydeploy-upload-{env_name}.log"
     _run_pio(upload_command(project_dir, env_name, port), project_dir, env, log, timeout, quiet,
              f"pio run -e {env_name} -t upload")

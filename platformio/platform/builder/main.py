@@ -2,10 +2,12 @@
 #
 # PlatformIO runs this for `pio run`. Projects bring their own startup code (vector table, reset
 # handler) and linker script (`board_build.ldscript` in platformio.ini), so the program is linked
-# with -nostartfiles. CPU and FPU flags come from the board manifest (build.cpu, build.fpu,
-# build.float_abi), which tinydeploy generates from boards/<id>.json.
+# with -nostartfiles (and newlib-nano, like the generated Makefile). CPU and FPU flags come from
+# the board manifest (build.cpu, build.fpu, build.float_abi), which tinydeploy generates from
+# boards/<id>.json.
 import os
 
+from platformio.device.list.util import list_serial_ports
 from SCons.Script import (ARGUMENTS, AlwaysBuild, Builder, Default,  # pylint: disable=import-error
                           DefaultEnvironment)
 
@@ -41,7 +43,7 @@ env.Append(
     ASFLAGS=cpu_flags,
     ASPPFLAGS=["-x", "assembler-with-cpp"],
     CCFLAGS=cpu_flags + ["-ffunction-sections", "-fdata-sections", "-Wall"],
-    LINKFLAGS=cpu_flags + ["-nostartfiles", "-Wl,--gc-sections",
+    LINKFLAGS=cpu_flags + ["-nostartfiles", "--specs=nano.specs", "-Wl,--gc-sections",
                            "-Wl,-Map,%s" % os.path.join("$BUILD_DIR", "firmware.map")],
     LIBS=["m"],
     BUILDERS=dict(
@@ -72,12 +74,12 @@ AlwaysBuild(target_size)
 # Upload: a real board through bossac (SAM-BA bootloaders such as the Arduino Nano 33 BLE's, entered
 # by opening the port at 1200 baud), or any command given as upload_command in platformio.ini.
 def before_upload(target, source, env):  # pylint: disable=unused-argument
-    if not env.subst("$UPLOAD_PORT"):
-        env.AutodetectUploadPort()
+    env.AutodetectUploadPort()
     if board.get("upload.use_1200bps_touch", False):
+        before_ports = list_serial_ports()
         env.TouchSerialPort("$UPLOAD_PORT", 1200)
-    if board.get("upload.wait_for_upload_port", False):
-        env.Replace(UPLOAD_PORT=env.WaitForNewSerialPort(env.subst("$UPLOAD_PORT")))
+        if board.get("upload.wait_for_upload_port", False):
+            env.Replace(UPLOAD_PORT=env.WaitForNewSerialPort(before_ports))
 
 
 protocol = env.subst("$UPLOAD_PROTOCOL") or board.get("upload.protocol", "")
