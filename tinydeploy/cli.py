@@ -80,9 +80,8 @@ def _dispatch(args, command: str) -> int:
     if args.cmd == "ops":
         import onnx
         from tinydeploy.ops import REGISTRY
-        # Straight from the registry (internal ops such as Copy are not ONNX ops); Identity and
-        # Dropout never reach it: the passes remove them.
-        names = sorted({op for op in REGISTRY if onnx.defs.has(op)} | {"Identity", "Dropout"})
+        # Straight from the registry (internal ops such as Copy are not ONNX ops).
+        names = sorted(op for op in REGISTRY if onnx.defs.has(op))
         print(f"{len(names)} ONNX operators: " + ", ".join(names))
         return 0
     if args.cmd == "build":
