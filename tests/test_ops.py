@@ -15,6 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tinydeploy.errors import TinydeployError
 from tinydeploy.ops.elementwise import UNARY
 from tinydeploy.pipeline import compile_model
 from tinydeploy.targets import get_target
@@ -44,10 +45,30 @@ def build(nodes, inputs: dict, outputs: list[str], inits: dict | None = None, op
     `inits` (name -> numpy array). Output shapes are filled in by onnx shape inference, as an
     exporter would write them."""
     ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in inputs.items()]
-    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs]
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, inputs.get(n)) for n in outputs]
     inis = [numpy_helper.from_array(np.asarray(a), n) for n, a in (inits or {}).items()]
     m = make_model(nodes, ins, outs, inis, opset=opset)
-    return onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True)
+    m = onnx.shape_inference.infer_shapes(m, check_type=True, strict_mode=True)
+    # Shape inference leaves an output listed twice untyped: copy the type.
+    known = {v.name: v.type for v in [*m.graph.input, *m.graph.value_info, *m.graph.output]
+             if v.type.tensor_type.HasField("shape")}
+    for o in m.graph.output:
+        if not o.type.tensor_type.HasField("shape") and o.name in known:
+            o.type.CopyFrom(known[o.name])
+        # an op unknown at this opset would also leave its output untyped
+        assert o.type.tensor_type.HasField("shape"), f"invalid test model: no shape inferred for {o.name}"
+    return m
+
+
+def first_opset(op: str) -> int:
+    """The lowest opset >= 13 that has `op` (HardSwish, for one, is new in opset 14)."""
+    for v in range(13, onnx.defs.onnx_opset_version() + 1):
+        try:
+            onnx.defs.get_schema(op, v)
+            return v
+        except onnx.defs.SchemaError:
+            continue
+    raise AssertionError(f"onnx knows no operator {op}")
 
 
 def case(*values, id: str, full: bool = False):
@@ -83,6 +104,7 @@ CONV_CASES = [
     case([1, 3, 6, 6], [4, 3, 3, 3], {"pads": [0, 1, 2, 0]}, True, id="asym_pads", full=True),
     case([1, 3, 6, 6], [4, 3, 3, 3], {"pads": [2, 0, 0, 2]}, False, id="asym_pads2"),
     case([1, 2, 5, 5], [3, 2, 3, 3], {"pads": [3, 3, 3, 3]}, True, id="pads_wider_than_kernel"),
+    case([1, 2, 3, 3], [3, 2, 5, 5], {"pads": [2, 2, 2, 2]}, True, id="kernel_larger_than_input"),
     case([1, 3, 7, 9], [4, 3, 3, 3], {"auto_pad": "SAME_UPPER"}, True, id="same_upper", full=True),
     case([1, 3, 7, 9], [4, 3, 3, 3], {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, True, id="same_upper_stride2"),
     case([1, 3, 8, 8], [4, 3, 4, 4], {"auto_pad": "SAME_UPPER"}, True, id="same_upper_even_kernel"),
@@ -253,14 +275,15 @@ UNARY_EXTRA_ATTRS = {
 @pytest.mark.parametrize("op", sorted(UNARY))
 def test_unary(tmp_path, op):
     """Every op in elementwise.UNARY with default attributes, all compiler variants."""
-    m = build([helper.make_node(op, ["x"], ["y"])], {"x": X_UNARY}, ["y"])
+    m = build([helper.make_node(op, ["x"], ["y"])], {"x": X_UNARY}, ["y"], opset=first_opset(op))
     feeds = _sign_flipped_reciprocal_feeds(X_UNARY) if op == "Reciprocal" else unary_feeds(op, X_UNARY)
     check_model(m, tmp_path, feeds=feeds)
 
 
 @pytest.mark.parametrize("op", sorted(UNARY_EXTRA_ATTRS))
 def test_unary_attributes(tmp_path, op):
-    m = build([helper.make_node(op, ["x"], ["y"], **UNARY_EXTRA_ATTRS[op])], {"x": X_UNARY}, ["y"])
+    m = build([helper.make_node(op, ["x"], ["y"], **UNARY_EXTRA_ATTRS[op])], {"x": X_UNARY}, ["y"],
+              opset=first_opset(op))
     check_model(m, tmp_path, feeds=unary_feeds(op, X_UNARY), variants=QUICK)
 
 
@@ -274,6 +297,7 @@ ACTIVATION_CASES = [
     case("Clip", {}, {"min": -0.5, "max": 0.7}, 13, id="clip_both"),
     case("Clip", {}, {"min": 0.0, "max": 6.0}, 13, id="clip_relu6"),
     case("Clip", {}, {}, 13, id="clip_no_bounds"),
+    case("Clip", {}, {"min": 1.0, "max": -1.0}, 13, id="clip_min_above_max"),
     case("Clip", {"min": -0.5, "max": 0.7}, None, 6, id="clip_opset6_attributes"),
     case("Clip", {"min": -0.5}, None, 6, id="clip_opset6_min_attribute"),
 ]
@@ -317,6 +341,17 @@ def fusion_model(kind: str) -> onnx.ModelProto:
     if kind == "conv_clip06":
         return build([conv, helper.make_node("Clip", ["c", "lo", "hi"], ["y"])], x4, ["y"],
                      {**conv_w, "lo": np.float32(0.0), "hi": np.float32(6.0)})
+    if kind == "conv_clip_max_only":
+        return build([conv, helper.make_node("Clip", ["c", "", "hi"], ["y"])], x4, ["y"], {**conv_w, "hi": np.float32(0.5)})
+    if kind == "conv1d_bn_relu":
+        return build([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1]),
+                      helper.make_node("BatchNormalization", ["c", *BN_INPUTS], ["n"]),
+                      helper.make_node("Relu", ["n"], ["y"])], {"x": [1, 3, 9]}, ["y"],
+                     {"w": rnd([4, 3, 3], 1), **_bn_params(4, 10)})
+    if kind == "gemm_transB_C_1xN_bn":
+        return build([helper.make_node("Gemm", ["x", "B", "C"], ["g"], transB=1, alpha=2.0),
+                      helper.make_node("BatchNormalization", ["g", *BN_INPUTS], ["y"])],
+                     {"x": [3, 6]}, ["y"], {"B": rnd([5, 6], 1), "C": rnd([1, 5], 2), **_bn_params(5, 10)})
     if kind == "conv_leakyrelu":
         return build([conv, helper.make_node("LeakyRelu", ["c"], ["y"], alpha=0.1)], x4, ["y"], conv_w)
     if kind == "depthwise_clip06":
@@ -362,9 +397,9 @@ def fusion_model(kind: str) -> onnx.ModelProto:
     raise KeyError(kind)
 
 
-FUSION_CASES = ["conv_relu", "conv_clip06", "conv_leakyrelu", "depthwise_clip06", "gemm_leakyrelu",
+FUSION_CASES = ["conv_relu", "conv_clip06", "conv_clip_max_only", "conv_leakyrelu", "depthwise_clip06", "gemm_leakyrelu",
                 "matmul_relu", "batched_matmul_relu", "add_relu", "sub_clip", "mul_leakyrelu", "conv_bn",
-                "conv_nobias_bn_relu", "conv_bn_relu", "gemm_bn", "bn_relu"]
+                "conv_nobias_bn_relu", "conv_bn_relu", "conv1d_bn_relu", "gemm_bn", "gemm_transB_C_1xN_bn", "bn_relu"]
 
 
 @pytest.mark.parametrize("kind", FUSION_CASES)
@@ -391,6 +426,38 @@ def test_no_fusion_when_intermediate_has_two_consumers(tmp_path):
                helper.make_node("Add", ["r", "s"], ["y"])], {"x": [1, 3, 6, 6]}, ["y"], {"w": rnd([4, 3, 3, 3], 1)})
     assert layer_count(m, tmp_path) == 4
     check_model(m, tmp_path, variants=QUICK)
+
+
+BIAS_ADD_CASES = [
+    # producer, constant shape, constant first, expected layers
+    case("Conv", [4, 1, 1], False, 1, id="conv_plus_c11"),
+    case("Conv", [1, 4, 1, 1], True, 1, id="c1c11_plus_conv"),
+    case("Conv", [1], False, 1, id="conv_plus_scalar"),
+    case("Conv", [4], False, 2, id="conv_plus_row_of_width_not_folded"),
+    case("Conv", [1, 1, 4], False, 2, id="conv_plus_per_column_not_folded"),
+    case("MatMul", [4], False, 1, id="matmul_plus_row"),
+    case("MatMul", [1, 4], True, 1, id="1xN_plus_matmul"),
+    case("MatMul", [4, 1], False, 2, id="matmul_plus_column_not_folded"),
+    case("MatMul", [4, 4], False, 2, id="matmul_plus_matrix_not_folded"),
+]
+
+
+@pytest.mark.parametrize("prod, c_shape, const_first, layers, variants", BIAS_ADD_CASES)
+def test_bias_add_folding(tmp_path, prod, c_shape, const_first, layers, variants):
+    """Add of a constant after a bias-free Conv or a MatMul becomes the layer's bias only when the
+    constant is per output channel. The outputs are 4 channels wide and 4 columns wide, so a
+    constant along the wrong axis has the right size but must not be folded."""
+    if prod == "Conv":
+        first = helper.make_node("Conv", ["x", "w"], ["p"], pads=[1, 1, 1, 1])
+        xs, inits = [1, 3, 4, 4], {"w": rnd([4, 3, 3, 3], 1)}
+    else:
+        first = helper.make_node("MatMul", ["x", "w"], ["p"])
+        xs, inits = [4, 6], {"w": rnd([6, 4], 1)}
+    inits["c"] = rnd(c_shape, 2)
+    add = helper.make_node("Add", ["c", "p"] if const_first else ["p", "c"], ["a"])
+    m = build([first, add, helper.make_node("Relu", ["a"], ["y"])], {"x": xs}, ["y"], inits)
+    assert layer_count(m, tmp_path) == layers
+    check_model(m, tmp_path, variants=variants)
 
 
 BN_CASES = [
@@ -457,7 +524,16 @@ POOL_CASES = [
     case("AveragePool", [2, 3, 11], {"kernel_shape": [3], "strides": [2], "pads": [1, 1]}, id="avg_1d",
          full=True),
     case("AveragePool", [1, 3, 11], {"kernel_shape": [4], "strides": [3], "pads": [1, 2], "count_include_pad": 1,
-                                     "ceil_mode": 1}, id="avg_1d_include_pad_ceil"),
+                                     "ceil_mode": 1}, id="avg_1d_include_pad_ceil_window_in_padding"),
+    # ceil_mode windows that would start in the right padding are dropped (ONNX spec, onnxruntime)
+    case("MaxPool", [1, 3, 11], {"kernel_shape": [4], "strides": [3], "pads": [1, 2], "ceil_mode": 1},
+         id="max_1d_ceil_window_in_padding"),
+    case("MaxPool", [1, 2, 7, 9], {"kernel_shape": [2, 2], "strides": [3, 3], "pads": [0, 0, 1, 1], "ceil_mode": 1},
+         id="max_ceil_window_in_padding", full=True),
+    case("AveragePool", [1, 2, 7, 9], {"kernel_shape": [2, 2], "strides": [3, 3], "pads": [0, 0, 1, 1],
+                                       "ceil_mode": 1, "count_include_pad": 1}, id="avg_ceil_window_in_padding"),
+    case("AveragePool", [1, 2, 7, 7], {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1},
+         id="avg_ceil_partial_window_no_pads"),
 ]
 
 
@@ -465,6 +541,15 @@ POOL_CASES = [
 def test_pool(tmp_path, op, xs, attrs, variants):
     m = build([helper.make_node(op, ["x"], ["y"], **attrs)], {"x": xs}, ["y"])
     check_model(m, tmp_path, variants=variants)
+
+
+def test_pool_ceil_window_in_padding_on_one_axis_only_is_refused(tmp_path):
+    """Height needs ceil_mode (its extra window starts inside the input), width's extra window
+    starts in the padding: no ceil_mode value gives onnxruntime's shape; refused, not miscomputed."""
+    m = build([helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 3], pads=[0, 0, 0, 1],
+                                ceil_mode=1)], {"x": [1, 1, 7, 9]}, ["y"])
+    with pytest.raises(TinydeployError, match="right padding"):
+        compile_model(save(m, tmp_path), get_target("host"))
 
 
 @pytest.mark.parametrize("op", ["GlobalAveragePool", "GlobalMaxPool"])
@@ -491,6 +576,7 @@ BROADCASTS = [
     ("both_broadcast", [3, 1], [1, 4]),
     ("both_broadcast_4d", [2, 1, 4, 1], [3, 1, 5]),
     ("middle_axis", [2, 3, 4], [2, 1, 4]),
+    ("all_ones", [1, 1], [1]),
 ]
 
 
@@ -522,6 +608,11 @@ def test_binary_constant_operand(tmp_path, op, const_first):
     m = build([helper.make_node(op, ins, ["y"])], {"x": [1, 4, 3, 5]}, ["y"], {"c": c})
     feeds = {"x": rnd([1, 4, 3, 5], 4, 0.5, 2.0)} if op == "Pow" else None
     check_model(m, tmp_path, feeds=feeds, variants=QUICK)
+
+
+def test_pow_square_constant_exponent(tmp_path):
+    m = build([helper.make_node("Pow", ["x", "two"], ["y"])], {"x": [2, 3, 4]}, ["y"], {"two": np.float32(2.0)})
+    check_model(m, tmp_path, variants=QUICK)
 
 
 def test_binary_same_tensor_twice(tmp_path):
@@ -581,6 +672,12 @@ def test_concat(tmp_path, axis, shapes, variants):
     check_model(m, tmp_path, variants=variants)
 
 
+def test_concat_with_empty_input(tmp_path):
+    m = build([helper.make_node("Concat", ["x", "e", "z"], ["y"], axis=1)], {"x": [2, 3], "z": [2, 1]}, ["y"],
+              {"e": np.zeros([2, 0], np.float32)})
+    check_model(m, tmp_path, variants=QUICK)
+
+
 def test_concat_with_constant_and_same_input_twice(tmp_path):
     m = build([helper.make_node("Concat", ["x", "c", "x"], ["y"], axis=1)], {"x": [2, 3, 4]}, ["y"],
               {"c": rnd([2, 2, 4], 1)})
@@ -609,6 +706,13 @@ def test_split(tmp_path, xs, attrs, sizes, n_out, opset, variants):
         inits["split"] = i64(sizes)
     m = build([helper.make_node("Split", ins, outs, **attrs)], {"x": xs}, outs, inits, opset=opset)
     check_model(m, tmp_path, variants=variants)
+
+
+def test_split_with_unused_output(tmp_path):
+    """Only outputs 0 and 2 are used; the kernel still writes output 1 somewhere harmless."""
+    m = build([helper.make_node("Split", ["x", "split"], ["a", "b", "c"], axis=1),
+               helper.make_node("Relu", ["c"], ["r"])], {"x": [2, 6, 3]}, ["a", "r"], {"split": i64([2, 3, 1])})
+    check_model(m, tmp_path)
 
 
 X_SLICE = [4, 6, 8]
@@ -691,6 +795,8 @@ SOFTMAX_CASES = [
     case([2, 3, 4], 0, 13, id="axis0", full=True),
     case([3, 10], 1, 13, id="2d_axis1"),
     case([1, 10], -1, 13, id="logits_1x10"),
+    case([2, 3, 4], -2, 13, id="axis_neg2"),
+    case([2, 1, 4], 1, 13, id="axis_of_size1"),
     case([2, 3, 4], 1, 11, id="opset11_axis1_flattens"),
     case([2, 3, 4], 2, 11, id="opset11_axis2"),
 ]
@@ -705,7 +811,7 @@ def test_softmax(tmp_path, xs, axis, opset, variants):
 LRN_CASES = [
     case([1, 6, 4, 4], {"size": 3}, id="size3", full=True),
     case([1, 7, 3, 5], {"size": 5, "alpha": 1e-3, "beta": 0.5, "bias": 2.0}, id="size5_params", full=True),
-    case([2, 6, 3, 3], {"size": 4}, id="size4_even_batch2"),
+    case([2, 6, 3, 3], {"size": 1, "bias": 0.5}, id="size1_batch2"),   # onnxruntime only has odd sizes
     case([1, 3, 4, 4], {"size": 7}, id="size7_wider_than_channels"),
 ]
 
@@ -737,6 +843,11 @@ REDUCE_CASES = [
     case("ReduceMin", [-2], 1, 13, {}, id="min_opset13_axis_neg2", full=True),
     case("ReduceMin", None, 0, 18, {}, id="min_opset18_all"),
 ]
+
+
+def test_reduce_mean_over_size1_axis(tmp_path):
+    m = build([helper.make_node("ReduceMean", ["x"], ["y"], axes=[1, 2], keepdims=0)], {"x": [2, 1, 4, 3]}, ["y"])
+    check_model(m, tmp_path, variants=QUICK)
 
 
 @pytest.mark.parametrize("op, axes, keepdims, opset, extra, variants", REDUCE_CASES)
@@ -903,6 +1014,13 @@ def test_dropout_removed(tmp_path, opset, with_mask, ratio):
                helper.make_node("Neg", ["b"], ["y"])], {"x": [2, 3, 4]}, ["y"], inits, opset=opset)
     assert layer_count(m, tmp_path) == 2
     check_model(m, tmp_path, variants=ALL if opset == 13 and not with_mask else QUICK)
+
+
+def test_dropout_in_training_mode_is_refused(tmp_path):
+    m = build([helper.make_node("Dropout", ["x", "ratio", "train"], ["y"])], {"x": [2, 3]}, ["y"],
+              {"ratio": np.float32(0.5), "train": np.array(True)})
+    with pytest.raises(TinydeployError, match="training mode"):
+        compile_model(save(m, tmp_path), get_target("host"))
 
 
 def test_identity_output_is_graph_output(tmp_path):

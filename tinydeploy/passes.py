@@ -8,6 +8,7 @@ import numpy as np
 from tinydeploy import ir
 from tinydeploy.ops import REGISTRY
 from tinydeploy.ops.elementwise import ACTIVATIONS, activation_expr
+from tinydeploy.quant import quantize_qdq  # QDQ islands -> integer ops; no-op for float graphs
 
 
 def _replace_uses(g: ir.Graph, old: str, new: str) -> None:
@@ -129,7 +130,8 @@ def fold_bias_add(g: ir.Graph) -> None:
                 continue
             y = g.t(x)
             if prod.op == "MatMul" and g.const(prod.inputs[1]) is not None and len(g.t(prod.inputs[1]).shape) == 2 \
-                    and len(y.shape) == 2 and cdata.size in (1, y.shape[1]) and cdata.ndim <= 2:
+                    and len(y.shape) == 2 and cdata.size in (1, y.shape[1]) and cdata.ndim <= 2 \
+                    and (cdata.size == 1 or cdata.shape[-1] == y.shape[1]):   # not a column [M, 1] with M == N
                 nout = y.shape[1]
                 prod.op, prod.attrs = "Gemm", {}
             elif prod.op == "Conv" and (len(prod.inputs) < 3 or not prod.inputs[2]) and len(y.shape) >= 3 \
@@ -221,8 +223,8 @@ def dead_code(g: ir.Graph) -> None:
     g.prune()
 
 
-PASSES = [remove_identities, expand_variadic, dead_code, fold_batchnorm, fold_bias_add, fuse_activations,
-          fold_transposes, separate_outputs, dead_code]
+PASSES = [quantize_qdq, remove_identities, expand_variadic, dead_code, fold_batchnorm, fold_bias_add,
+          fuse_activations, fold_transposes, separate_outputs, dead_code]
 
 
 def run_passes(g: ir.Graph) -> ir.Graph:

@@ -21,6 +21,12 @@ for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
 def _dropout_check(node, g):
     if len(node.outputs) > 1 and node.outputs[1] and g.consumers(node.outputs[1]):
         return "mask output used"
+    if len(node.inputs) > 2 and node.inputs[2]:   # training_mode: the pass would drop a real dropout
+        t = g.const(node.inputs[2])
+        if t is None:
+            return "non-constant training_mode"
+        if t.size and bool(t.reshape(-1)[0]):
+            return "training mode"
     return None
 
 
@@ -204,23 +210,3 @@ def emit_gather(node: ir.Node, g: ir.Graph) -> Kernel:
 def emit_copy(node: ir.Node, g: ir.Graph) -> Kernel:
     y = g.t(node.outputs[0])
     return strided_copy(node, g, node.inputs[0], node.outputs[0], [y.size], [1], 0, f"{y.size} elements")
-
-
-def _dropout_check(node, g):
-    """What passes.remove_identities cannot remove: a Dropout whose mask is used, or in training mode."""
-    if node.op == "Dropout":
-        if len(node.outputs) > 1 and node.outputs[1] and (g.consumers(node.outputs[1]) or node.outputs[1] in g.outputs):
-            return "mask output in use"
-        if len(node.inputs) > 2 and node.inputs[2]:
-            t = g.const(node.inputs[2])
-            if t is None:
-                return "non-constant training_mode"
-            if t.size and bool(t.reshape(-1)[0]):
-                return "training mode"
-    return None
-
-
-# Identity and inference Dropout are removed by passes.remove_identities; registered so that the
-# support check run before the passes accepts them (anything left would be a plain copy).
-register("Identity", check=_dropout_check)(emit_copy)
-register("Dropout", check=_dropout_check)(emit_copy)
