@@ -25,7 +25,10 @@ MIN_OPSET = 13          # older models are converted up to this
 MAX_FILE_BYTES = 2 << 30  # protobuf's own limit
 MAX_FOLD_ELEMENTS = 1 << 26  # refuse to materialise constants larger than this (hostile models)
 NO_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-           "Bernoulli", "If", "Loop", "Scan"}
+           "Bernoulli", "If", "Loop", "Scan",
+           # Q/DQ of constant weights stay: the QDQ pass (tinydeploy/quant.py) reads them as
+           # integer weights with their scales instead of float constants.
+           "QuantizeLinear", "DequantizeLinear"}
 
 
 def sha256_file(path: Path) -> str:
@@ -69,7 +72,10 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     except Exception:  # protobuf raises DecodeError, RuntimeError or ValueError depending on backend
         raise TinydeployError(f"{printable(path.name)!r} is not a valid ONNX file (protobuf parse "
                               "failed; is it truncated or of another format?)") from None
-    if not model.HasField("graph") or (len(model.graph.node) == 0 and len(model.graph.output) == 0):
+    if model.HasField("graph") and len(model.graph.node) == 0 and len(model.graph.output) == 0:
+        raise TinydeployError(f"{printable(path.name)!r} has an empty graph (no nodes and no outputs); "
+                              "there is nothing to compile")
+    if not model.HasField("graph"):
         raise TinydeployError(f"{printable(path.name)!r} is not an ONNX model (no graph); "
                               "is it truncated or of another format?")
     _load_external_data(model, path.parent)
@@ -273,6 +279,55 @@ def _evaluate(node: onnx.NodeProto, inputs: list, opset: int, evaluator_cls) -> 
 
 
 
+def _drop_padding_only_ceil_windows(model: onnx.ModelProto) -> None:
+    """ceil_mode=1 can add a last pooling window that starts in the right padding. The ONNX spec
+    ("sliding windows that would start in the right padded region are ignored") and onnxruntime
+    drop it, but onnx shape inference counts it. A pool whose extra windows are all of that kind
+    computes exactly what it computes with ceil_mode=0, so it is rewritten to say so before
+    shape inference."""
+    cands = []
+    for n in model.graph.node:
+        if n.op_type in ("MaxPool", "AveragePool") and n.domain in ("", "ai.onnx"):
+            a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
+            if a.get("ceil_mode", 0) and a.get("auto_pad", b"NOTSET") in (b"NOTSET", b"") and "kernel_shape" in a:
+                cands.append((n, a))
+    if not cands:
+        return
+    try:
+        shapes = _shapes(shape_inference.infer_shapes(model, data_prop=True))
+    except Exception:
+        return  # the strict inference that follows reports it
+    rewritten = False
+    for n, a in cands:
+        x = shapes.get(n.input[0], (None, 0))[0]
+        k = list(a["kernel_shape"])
+        r = len(k)
+        if x is None or len(x) != r + 2:
+            continue
+        s, d = list(a.get("strides", [1] * r)), list(a.get("dilations", [1] * r))
+        p = list(a.get("pads", [0] * (2 * r)))
+        drops, keeps = False, False
+        for i in range(r):
+            span = x[2 + i] + p[i] + p[i + r] - (k[i] - 1) * d[i] - 1
+            if span < 0 or min(s[i], d[i]) < 1:
+                keeps = True
+            elif span % s[i]:   # ceil adds window number span // s + 1: where does it start?
+                if (span // s[i] + 1) * s[i] >= x[2 + i] + p[i]:
+                    drops = True
+                else:
+                    keeps = True
+        if drops and not keeps:
+            for attr in n.attribute:
+                if attr.name == "ceil_mode":
+                    attr.i = 0
+            rewritten = True
+    if rewritten:   # output shapes written by onnx shape inference count the window: re-derive them
+        inputs = {i.name for i in model.graph.input}
+        for vi in model.graph.output:
+            if vi.name not in inputs and vi.type.HasField("tensor_type"):
+                vi.type.tensor_type.ClearField("shape")
+
+
 def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[ir.Graph, onnx.ModelProto]:
     """Load `path` and return (typed graph, the normalised ONNX model it was made from)."""
     model = load_model(path)
@@ -284,6 +339,7 @@ def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None) -
     notes: list[str] = []
     model = _normalise_opset(model)
     _pin_input_shapes(model, input_shapes or {}, notes)
+    _drop_padding_only_ceil_windows(model)
     model = _infer(model)
     for _ in range(16):
         if not _fold_constants(model, _opset(model)):
@@ -300,6 +356,29 @@ def _np_dtype(elem_type: int) -> np.dtype:
         raise TinydeployError(f"tensor element type {elem_type} is not supported") from None
 
 
+# Ops whose output is their input's elements under another shape: the counts must agree.
+SIZE_PRESERVING = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+
+
+def _raise_if_unknown_ops(g: onnx.GraphProto, shapes: dict) -> None:
+    """A tensor has no static shape. When an operator tinydeploy has no kernel for (custom domains,
+    control flow, data-dependent outputs) left it so, report those operators, in the format of
+    pipeline.check_supported, rather than the shape."""
+    from tinydeploy.ops import REGISTRY
+    found: dict[str, list[str]] = {}
+    culprit = False
+    for k, n in enumerate(g.node):
+        op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}:{n.op_type}"
+        if op in REGISTRY:
+            continue
+        found.setdefault(printable(op), []).append(printable(n.name or f"{n.op_type}_{k}", 40))
+        culprit = culprit or any(o and shapes.get(o, (None, 0))[0] is None for o in n.output)
+    if culprit:
+        parts = [f"{op} x{len(names)} [" + ", ".join(names[:5])
+                 + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "") + "]" for op, names in found.items()]
+        raise TinydeployError("unsupported operators: " + "; ".join(parts))
+
+
 def _to_ir(model: onnx.ModelProto, notes: list[str]) -> ir.Graph:
     g = model.graph
     shapes = _shapes(model)
@@ -314,6 +393,7 @@ def _to_ir(model: onnx.ModelProto, notes: list[str]) -> ir.Graph:
                 continue
             shape, et = shapes.get(name, (None, 0))
             if shape is None or et == 0:
+                _raise_if_unknown_ops(g, shapes)
                 raise TinydeployError(f"the shape of tensor {printable(name)!r} (at node {printable(node.name)!r}, "
                                       f"{node.op_type}) is not static after shape inference; pin the inputs "
                                       "with --input-shape or simplify the model")
@@ -330,5 +410,12 @@ def _to_ir(model: onnx.ModelProto, notes: list[str]) -> ir.Graph:
         attrs = {k2: (v.decode() if isinstance(v, bytes) else v) for k2, v in attrs.items()}
         op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}:{n.op_type}"
         nodes.append(ir.Node(op, n.name or f"{n.op_type}_{k}", list(n.input), list(n.output), attrs))
+    for n in nodes:
+        if n.op in SIZE_PRESERVING and n.inputs and n.inputs[0] and n.outputs:
+            src, dst = tensors[n.inputs[0]], tensors[n.outputs[0]]
+            if src.size != dst.size:
+                raise TinydeployError(
+                    f"{n.op} {printable(n.name)!r} turns {src.size} elements ({'x'.join(map(str, src.shape))}) into "
+                    f"{dst.size} ({'x'.join(map(str, dst.shape))}); the model is malformed")
     graph = ir.Graph(tensors, nodes, inputs, [o.name for o in g.output], notes)
     return graph
