@@ -37,6 +37,16 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="operator table, shapes, MACs, parameters, unsupported operators")
     p.add_argument("model")
     p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224")
+    p = sub.add_parser("quantize", help="8-bit static quantisation by onnxruntime, with an accuracy report")
+    p.add_argument("model")
+    p.add_argument("--calibration", required=True, help=".npz/.npy file or a folder of them")
+    p.add_argument("-o", "--output", required=True, help="quantised .onnx to write")
+    p.add_argument("--activations", choices=["uint8", "int8"], default="uint8")
+    p.add_argument("--weights", choices=["uint8", "int8"], default="int8")
+    p.add_argument("--per-channel", action="store_true")
+    p.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax")
+    p.add_argument("--format", choices=["qdq", "qoperator"], default="qdq")
+    p.add_argument("--json", action="store_true")
     sub.add_parser("boards", help="list the known boards")
     sub.add_parser("ops", help="list the supported ONNX operators")
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
@@ -83,6 +93,17 @@ def _dispatch(args, command: str) -> int:
         # Straight from the registry (internal ops such as Copy are not ONNX ops).
         names = sorted(op for op in REGISTRY if onnx.defs.has(op))
         print(f"{len(names)} ONNX operators: " + ", ".join(names))
+        return 0
+    if args.cmd == "quantize":
+        from tinydeploy import quantize as q
+        from pathlib import Path
+        out = Path(args.output)
+        if out.exists():
+            raise TinydeployError(f"{printable(str(out))} exists; choose another -o (tinydeploy never overwrites "
+                                  "your files)")
+        r = q.quantize(args.model, args.calibration, out, args.activations, args.weights, args.per_channel,
+                       args.method, args.format, quiet=args.json)
+        print(json.dumps(r)) if args.json else q.print_report(r)
         return 0
     if args.cmd == "build":
         r = flow.build(args.model, args.board, args.outdir, args.force, shapes, command)
