@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from tinydeploy import __version__
 from tinydeploy.codegen.cfmt import printable  # model file names reach the terminal only through it
@@ -28,6 +29,8 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("build", help="generate the C project and compile it")
     _common(p)
+    p.add_argument("--quantize", choices=["uint8", "int8"], help="quantise first (onnxruntime, QDQ, per channel)")
+    p.add_argument("--calibration", help="calibration data for --quantize (.npz/.npy or a folder)")
     p = sub.add_parser("run", help="build, run on inputs, compare with onnxruntime")
     _common(p)
     p.add_argument("--inputs", help=".npz (arrays named like the model inputs) or .npy (single input)")
@@ -96,7 +99,6 @@ def _dispatch(args, command: str) -> int:
         return 0
     if args.cmd == "quantize":
         from tinydeploy import quantize as q
-        from pathlib import Path
         out = Path(args.output)
         if out.exists():
             raise TinydeployError(f"{printable(str(out))} exists; choose another -o (tinydeploy never overwrites "
@@ -106,7 +108,13 @@ def _dispatch(args, command: str) -> int:
         print(json.dumps(r)) if args.json else q.print_report(r)
         return 0
     if args.cmd == "build":
-        r = flow.build(args.model, args.board, args.outdir, args.force, shapes, command)
+        model = args.model
+        if args.quantize:
+            model = _quantize_for_build(args)
+        r = flow.build(model, args.board, args.outdir, args.force, shapes, command)
+        if args.quantize:
+            import shutil
+            shutil.copyfile(model, r.outdir / Path(model).name)   # keep the model the C was made from
         _print_summary(r.summary)
         return 0
     if args.cmd == "run":
@@ -126,6 +134,20 @@ def _dispatch(args, command: str) -> int:
         bench(args.models, args.board, args.seconds, args.json)
         return 0
     raise TinydeployError(f"unknown command {args.cmd}")
+
+
+def _quantize_for_build(args) -> str:
+    """`build --quantize`: quantise into a private temporary folder, print the accuracy report."""
+    import tempfile
+    from tinydeploy import quantize as q
+    if not args.calibration:
+        raise TinydeployError("--quantize needs --calibration DATA (.npz/.npy or a folder; see "
+                              "models/make_calibration.py)")
+    tmp = Path(tempfile.mkdtemp(prefix="tinydeploy-q-"))
+    out = tmp / f"{Path(args.model).stem[:64]}_{args.quantize}.onnx"
+    rep = q.quantize(args.model, args.calibration, out, args.quantize, "int8", True)
+    q.print_report(rep)
+    return str(out)
 
 
 def _print_run(res: dict) -> None:
