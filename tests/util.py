@@ -70,3 +70,33 @@ def make_model(nodes, inputs, outputs, initializers=(), opset: int = 13) -> onnx
     """A model from onnx.helper pieces, stamped with an IR version onnxruntime accepts."""
     g = onnx.helper.make_graph(nodes, "test", inputs, outputs, list(initializers))
     return onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", opset)], ir_version=8)
+
+
+# ---- 8-bit models: comparison in LSBs (see reference.compare_lsb) ----------------------------
+
+def check_model_lsb(model: onnx.ModelProto | Path, tmp_path: Path, feeds: dict | None = None, seeds=(0,),
+                    variants=("gcc", "clang", "gcc-asan-ubsan"), max_lsb: int = 1,
+                    min_identical: float = reference.MIN_IDENTICAL_FRACTION, input_shapes=None) -> list[dict]:
+    """Like check_model, for models with integer outputs: build with every compiler variant, run
+    on `feeds` (default: seeded random inputs, one run per seed) and assert every output element
+    is within `max_lsb` of onnxruntime and at least `min_identical` of them are identical.
+    Returns the comparisons of the last variant."""
+    path = model if isinstance(model, Path) else save(model, tmp_path)
+    results = []
+    for v in variants:
+        cc, flags = VARIANTS[v]
+        require(cc)
+        b = flow.build(path, "host", tmp_path / f"build-{v}", input_shapes=input_shapes, quiet=True,
+                       extra_cflags=flags, cc=cc)
+        specs = flow.io_specs(b.summary, "inputs")
+        out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+        results = []
+        for seed in seeds:
+            x = feeds if feeds is not None else reference.random_inputs(specs, seed)
+            got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs], out_specs)
+            want = reference.run_onnxruntime(path.read_bytes(), x)
+            res = reference.compare_lsb(got, want)
+            assert res["max_abs_error"] <= max_lsb and res["identical_fraction"] >= min_identical, \
+                f"{v}, seed {seed}: {res} (allowed {max_lsb} LSB, {min_identical:.0%} identical)"
+            results.append(res)
+    return results

@@ -66,6 +66,7 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) 
             owner[n.outputs[0]] = b
             continue
         if (d.inplace and x in owner and not owner[x].pinned and owner[x].end == k
+                and not any(t in g.outputs for t in owner[x].tensors)   # outputs are pinned only below
                 and _last_use(g, owner[x], k) and g.t(x).nbytes == g.t(n.outputs[0]).nbytes):
             b = owner[x]
             b.tensors.append(n.outputs[0])

@@ -62,3 +62,47 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
         max_abs = max(max_abs, e)
         max_rel = max(max_rel, e / scale if scale > 0 else (0.0 if e == 0 else float("inf")))
     return {"outputs_match": bool(max_rel <= rtol), "max_abs_error": max_abs, "max_rel_error": max_rel}
+
+
+# ---- 8-bit outputs: compared in LSBs ----------------------------------------------------------
+
+LSB_TOLERANCE = 1               # every element within 1 LSB of onnxruntime ...
+MIN_IDENTICAL_FRACTION = 0.99   # ... and at least 99% of them identical
+
+
+def compare_lsb(got: list[np.ndarray], want: list[np.ndarray]) -> dict:
+    """Integer outputs against onnxruntime, in LSBs (units of the quantised value): outputs match
+    when every |got - want| <= LSB_TOLERANCE and >= MIN_IDENTICAL_FRACTION of all elements are
+    identical. max_rel_error is the norm-wise max|diff| / max|want|, for information."""
+    max_abs, max_rel, same, total = 0, 0.0, 0, 0
+    for a, b in zip(got, want):
+        b = np.asarray(b)
+        if a.shape != b.shape:
+            return {"outputs_match": False, "max_abs_error": float("inf"), "max_rel_error": float("inf"),
+                    "identical_fraction": 0.0}
+        diff = np.abs(a.astype(np.int64) - b.astype(np.int64))
+        e = int(diff.max(initial=0))
+        max_abs = max(max_abs, e)
+        scale = int(np.abs(b.astype(np.int64)).max(initial=0))
+        max_rel = max(max_rel, e / scale if scale else (0.0 if e == 0 else float("inf")))
+        same += int((diff == 0).sum())
+        total += diff.size
+    frac = same / total if total else 1.0
+    return {"outputs_match": bool(max_abs <= LSB_TOLERANCE and frac >= MIN_IDENTICAL_FRACTION),
+            "max_abs_error": float(max_abs), "max_rel_error": max_rel, "identical_fraction": frac}
+
+
+def compare_outputs(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
+    """`compare` (relative, `tolerance` = rtol) when every output is floating point, unchanged;
+    with integer outputs, those are compared by `compare_lsb` (`tolerance` = 1 with
+    `tolerance_unit` "LSB") and any float outputs by `compare`, reported as float_*."""
+    is_int = [np.asarray(b).dtype.kind in "iub" for b in want]
+    if not any(is_int):
+        return {**compare(got, want, rtol), "tolerance": rtol}
+    res = compare_lsb([a for a, k in zip(got, is_int) if k], [b for b, k in zip(want, is_int) if k])
+    res.update(tolerance=LSB_TOLERANCE, tolerance_unit="LSB", min_identical_fraction=MIN_IDENTICAL_FRACTION)
+    if not all(is_int):
+        f = compare([a for a, k in zip(got, is_int) if not k], [b for b, k in zip(want, is_int) if not k], rtol)
+        res.update(outputs_match=res["outputs_match"] and f["outputs_match"], float_max_abs_error=f["max_abs_error"],
+                   float_max_rel_error=f["max_rel_error"], float_tolerance=rtol)
+    return res

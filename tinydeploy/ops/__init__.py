@@ -81,3 +81,4 @@ def unsupported_nodes(g: ir.Graph) -> list[tuple[ir.Node, str]]:
 
 # Importing the families fills REGISTRY.
 from tinydeploy.ops import conv, dense, elementwise, pool, reduce, shape  # noqa: E402,F401
+from tinydeploy.ops import quantized  # noqa: E402,F401  (integer kernels of the QDQ pass)

@@ -1,0 +1,473 @@
+"""8-bit (QDQ) deployment: the QDQ pass, the integer kernels and the LSB comparison.
+
+Every model is built with gcc, clang and gcc+ASan/UBSan (-Werror) and compared with onnxruntime
+element by element in LSBs: all within 1 LSB and at least 99% identical (reference.compare_lsb).
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP, helper, numpy_helper
+
+from tinydeploy import flow, ir, reference
+from tinydeploy.importer import import_model
+from tinydeploy.quant import quantize_multiplier, quantize_qdq, requantize
+from util import check_model_lsb, make_model, mlperf_model, save
+
+ONNX_T = {np.dtype(np.int8): TP.INT8, np.dtype(np.uint8): TP.UINT8, np.dtype(np.int32): TP.INT32,
+          np.dtype(np.float32): TP.FLOAT}
+
+
+class QDQ:
+    """A tiny builder for QDQ graphs."""
+
+    def __init__(self, seed: int = 0):
+        self.nodes, self.inits, self.k = [], [], 0
+        self.rng = np.random.default_rng(seed)
+
+    def name(self, base: str) -> str:
+        self.k += 1
+        return f"{base}{self.k}"
+
+    def const(self, arr) -> str:
+        n = self.name("c")
+        self.inits.append(numpy_helper.from_array(np.asarray(arr), n))
+        return n
+
+    def node(self, op: str, ins: list[str], **attrs) -> str:
+        out = self.name(op.lower())
+        self.nodes.append(helper.make_node(op, ins, [out], **attrs))
+        return out
+
+    def dq(self, x: str, scale, zp, dtype, axis: int | None = None) -> str:
+        kw = {} if axis is None else {"axis": axis}
+        return self.node("DequantizeLinear", [x, self.const(np.asarray(scale, np.float32)),
+                                              self.const(np.asarray(zp, dtype))], **kw)
+
+    def q(self, x: str, scale, zp, dtype) -> str:
+        return self.node("QuantizeLinear", [x, self.const(np.float32(scale)), self.const(np.asarray(zp, dtype))])
+
+    def weights(self, shape, dtype, scale, zp=0, axis=None) -> str:
+        info = np.iinfo(dtype)
+        w = self.rng.integers(info.min, info.max + 1, shape).astype(dtype)
+        return self.dq(self.const(w), scale, zp, dtype, axis)
+
+    def bias(self, n: int, scale) -> str:
+        b = self.rng.integers(-3000, 3000, n).astype(np.int32)
+        return self.dq(self.const(b), np.asarray(scale, np.float32), np.zeros(np.shape(scale), np.int32), np.int32,
+                       axis=0 if np.ndim(scale) else None)
+
+    def model(self, inputs, outputs) -> onnx.ModelProto:
+        """Output types and shapes come from onnx shape inference."""
+        m = make_model(self.nodes, [helper.make_tensor_value_info(n, ONNX_T[np.dtype(d)], s) for n, d, s in inputs],
+                       [helper.make_empty_tensor_value_info(n) for n, _ in outputs], self.inits)
+        m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+        del m.graph.value_info[:]
+        return m
+
+
+def qrange(dtype):
+    i = np.iinfo(dtype)
+    return int(i.min), int(i.max)
+
+
+# ---- fixed-point requantisation -----------------------------------------------------------
+
+@pytest.mark.parametrize("r", [1.0, 0.5, 0.75, 1e-3, 3.14159e-5, 2.0 ** -31, 7.5e-12, 123.456, 1e6, 0.3333333])
+def test_quantize_multiplier_is_exact_for_float32(r):
+    r32 = float(np.float32(r))
+    m, s = quantize_multiplier(r32)
+    assert 1 <= s <= 62 and 0 <= m < 2 ** 31
+    if 2.0 ** -31 <= r32 < 2.0 ** 30:
+        assert Fraction(m, 2 ** s) == Fraction(r32) and m >= 2 ** 30
+
+
+def test_requantize_rounds_half_to_even_and_saturates():
+    m, s = quantize_multiplier(0.5)
+    acc = np.arange(-9, 10)
+    got = requantize(acc, m, s, 0, -128, 127)
+    assert got.tolist() == np.rint(acc * 0.5).astype(int).tolist()       # numpy rint: half to even
+    rng = np.random.default_rng(1)
+    for r in (0.0123, 0.987654, 3.3e-4):
+        r32 = float(np.float32(r))
+        m, s = quantize_multiplier(r32)
+        acc = rng.integers(-2 ** 20, 2 ** 20, 500)
+        want = [int(round(Fraction(int(a)) * Fraction(r32))) + 5 for a in acc]   # round() on Fraction: half even
+        want = np.clip(want, -128, 127)
+        assert requantize(acc, m, s, 5, -128, 127).tolist() == want.tolist()
+
+
+# ---- the pass -----------------------------------------------------------------------------
+
+def test_pass_is_a_noop_for_float_graphs(tmp_path):
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    m = make_model([helper.make_node("Conv", ["x", "w"], ["y"])],
+                   [helper.make_tensor_value_info("x", TP.FLOAT, [1, 3, 8, 8])],
+                   [helper.make_tensor_value_info("y", TP.FLOAT, [1, 4, 6, 6])], [w])
+    g, _ = import_model(save(m, tmp_path))
+    before = [(n.op, list(n.inputs), list(n.outputs)) for n in g.nodes]
+    quantize_qdq(g)
+    assert [(n.op, list(n.inputs), list(n.outputs)) for n in g.nodes] == before and not g.notes
+
+
+# ---- convolution --------------------------------------------------------------------------
+
+CONV_CASES = {
+    #            C, M, H, W, kernel, strides, pads, group, dilations, x_zp, y_zp, extra
+    "3x3-relu": (3, 8, 9, 9, [3, 3], [1, 1], [1, 1, 1, 1], 1, [1, 1], 3, -5, {"act": "relu"}),
+    "zp-min-padded": (4, 6, 7, 8, [3, 3], [1, 1], [1, 1, 1, 1], 1, [1, 1], "min", "max", {}),
+    "zp-max-padded": (4, 6, 7, 8, [3, 3], [1, 1], [2, 1, 0, 2], 1, [1, 1], "max", "min", {}),
+    "depthwise-s2": (8, 8, 11, 10, [3, 3], [2, 2], [0, 0, 1, 1], 8, [1, 1], 10, 0, {"act": "relu"}),
+    "dilated": (5, 4, 12, 12, [3, 3], [1, 1], [2, 2, 2, 2], 1, [2, 2], -20, 7, {}),
+    "depthwise-5x3-dilated": (6, 6, 9, 11, [5, 3], [1, 1], [4, 2, 3, 1], 6, [2, 1], "max", 3, {}),
+    "depthwise-no-interior": (4, 4, 3, 3, [5, 5], [1, 1], [2, 2, 2, 2], 4, [1, 1], 0, 0, {"act": "relu"}),
+    "grouped-5x2": (6, 4, 10, 9, [5, 2], [1, 2], [2, 0, 2, 1], 2, [1, 1], 1, 1, {}),
+    "pointwise": (16, 24, 6, 6, [1, 1], [1, 1], [0, 0, 0, 0], 1, [1, 1], "min", 0, {"act": "clip"}),
+    "channels-1000x": (8, 16, 8, 8, [3, 3], [1, 1], [1, 1, 1, 1], 1, [1, 1], 0, 0, {"spread": 1000.0}),
+    "saturating": (8, 8, 6, 6, [3, 3], [1, 1], [1, 1, 1, 1], 1, [1, 1], 0, 0, {"y_scale": 1e-4}),
+    "tiny-scales": (4, 4, 6, 6, [3, 3], [1, 1], [1, 1, 1, 1], 1, [1, 1], 2, -3, {"x_scale": 3e-7, "y_scale": 2e-9}),
+    "weight-zp": (4, 5, 6, 6, [3, 3], [1, 1], [0, 0, 0, 0], 1, [1, 1], 9, 4, {"w_zp": True}),
+    "no-bias-1d": (4, 6, 1, 20, [1, 3], [1, 2], [0, 1, 0, 1], 1, [1, 1], -7, 2, {"no_bias": True}),
+    "bias-other-scale": (4, 6, 6, 6, [3, 3], [1, 1], [1, 1, 1, 1], 1, [1, 1], 4, -4, {"bias": "scaled"}),
+    "float-bias": (4, 6, 6, 6, [3, 3], [1, 1], [0, 0, 0, 0], 1, [1, 1], 4, -4, {"bias": "float"}),
+}
+
+
+def _conv_model(case, act_dtype, seed=0):
+    C, M, H, W, k, s, pads, group, dil, xz, yz, extra = CONV_CASES[case]
+    lo, hi = qrange(act_dtype)
+    pick = {"min": lo, "max": hi}
+    xz, yz = pick.get(xz, xz), pick.get(yz, yz)
+    if act_dtype == np.uint8:
+        xz, yz = (v if isinstance(v, int) and 0 <= v <= 255 else 128 + int(v) for v in (xz, yz))
+    b = QDQ(seed)
+    x_scale = extra.get("x_scale", 0.05)
+    x = b.dq("x", x_scale, xz, act_dtype)
+    cin = C // group
+    spread = extra.get("spread", 4.0)
+    wk = k if H > 1 else k[1:]
+    w_scale = (np.geomspace(1.0, spread, M) * 2e-3 / spread * 4).astype(np.float32)
+    if extra.get("w_zp"):
+        wdt = act_dtype      # uint8 weights with zero point 128 for uint8 models, int8 with 3 otherwise
+        wz = 128 if act_dtype == np.uint8 else 3
+        w = b.weights((M, cin, *wk), wdt, np.float32(4e-3), wz)
+        bscale = np.float32(np.float32(x_scale) * np.float32(4e-3))
+    else:
+        w = b.weights((M, cin, *wk), np.int8, w_scale, np.zeros(M, np.int8), axis=0)
+        bscale = (np.float32(x_scale) * w_scale).astype(np.float32)
+    if extra.get("bias") == "scaled":      # int32 bias whose scale is not s_x * s_w: rescaled at build time
+        bias = [b.bias(M, (bscale * np.float32(0.37)).astype(np.float32))]
+    elif extra.get("bias") == "float":     # a plain float bias constant
+        bias = [b.const((b.rng.standard_normal(M) * 0.5).astype(np.float32))]
+    else:
+        bias = [] if extra.get("no_bias") else [b.bias(M, bscale)]
+    ins = [x, w] + bias
+    attrs = dict(kernel_shape=k, strides=s, pads=pads, group=group, dilations=dil)
+    if H == 1:   # a 1-D convolution
+        attrs = dict(kernel_shape=k[1:], strides=s[1:], pads=[pads[1], pads[3]], group=group, dilations=dil[1:])
+    y = b.node("Conv", ins, **attrs)
+    if extra.get("act") == "relu":
+        y = b.node("Relu", [y])
+    elif extra.get("act") == "clip":
+        y = b.node("Clip", [y, b.const(np.float32(0.0)), b.const(np.float32(2.5))])
+    yq = b.q(y, extra.get("y_scale", 0.08), yz, act_dtype)
+    shape = [1, C, H, W] if H > 1 else [1, C, W]
+    return b.model([("x", act_dtype, shape)], [(yq, act_dtype)])
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_qconv(case, dtype, tmp_path):
+    check_model_lsb(_conv_model(case, dtype), tmp_path, seeds=(0, 1))
+
+
+def test_qconv_is_integer(tmp_path):
+    b = flow.build(save(_conv_model("3x3-relu", np.int8), tmp_path), "host", tmp_path / "b", quiet=True)
+    ops = [n.op for n in b.compiled.graph.nodes]
+    assert ops == ["QConv"], ops
+    assert any("quantised" in n for n in b.summary["notes"])
+
+
+# ---- dense --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+@pytest.mark.parametrize("form", ["matmul-add-relu", "matmul-per-column", "gemm-transb-alpha", "matmul-nobias"])
+def test_qdense(form, dtype, tmp_path):
+    lo, hi = qrange(dtype)
+    b = QDQ(3)
+    rows, K, N = 4, 64, 48
+    xz, yz = (lo + 3, hi - 10) if form != "matmul-nobias" else (hi, lo)
+    x = b.dq("x", 0.02, xz, dtype)
+    if form == "gemm-transb-alpha":
+        w = b.weights((N, K), np.int8, np.float32(3e-3))
+        y = b.node("Gemm", [x, w, b.bias(N, np.float32(0.02) * np.float32(3e-3))], transB=1, alpha=0.75)
+    else:
+        if form == "matmul-per-column":
+            ws = np.geomspace(1e-4, 1e-1, N).astype(np.float32)
+            w = b.weights((K, N), np.int8, ws, np.zeros(N, np.int8), axis=1)
+            bs = (np.float32(0.02) * ws).astype(np.float32)
+        else:
+            ws = np.float32(3e-3)
+            w = b.weights((K, N), np.int8, ws)
+            bs = np.float32(0.02) * ws
+        y = b.node("MatMul", [x, w])
+        if form != "matmul-nobias":
+            y = b.node("Add", [y, b.bias(N, bs)])
+    if form == "matmul-add-relu":
+        y = b.node("Relu", [y])
+    yq = b.q(y, 0.05, yz if form != "matmul-add-relu" else lo, dtype)
+    check_model_lsb(b.model([("x", dtype, [rows, K])], [(yq, dtype)]), tmp_path, seeds=(0, 1))
+
+
+# ---- add ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+@pytest.mark.parametrize("form", ["same-shape", "broadcast-relu", "scales-1000x", "saturating"])
+def test_qadd(form, dtype, tmp_path):
+    lo, hi = qrange(dtype)
+    b = QDQ(5)
+    sa, sb, sy = {"same-shape": (0.05, 0.07, 0.09), "broadcast-relu": (0.051, 0.023, 0.037),
+                  "scales-1000x": (0.1, 1e-4, 0.08), "saturating": (0.5, 0.5, 0.01)}[form]
+    shb = [1, 8, 1, 1] if form == "broadcast-relu" else [1, 8, 5, 6]
+    a_ = b.dq("a", sa, lo + 1, dtype)
+    b_ = b.dq("b", sb, hi - 2, dtype)
+    y = b.node("Add", [a_, b_])
+    if form == "broadcast-relu":
+        y = b.node("Relu", [y])
+    yq = b.q(y, sy, (lo + hi) // 2 + 3, dtype)
+    m = b.model([("a", dtype, [1, 8, 5, 6]), ("b", dtype, shb)], [(yq, dtype)])
+    check_model_lsb(m, tmp_path, seeds=(0, 1))
+
+
+# ---- pooling ------------------------------------------------------------------------------
+
+POOLS = {
+    "avg-3x3-s2-pad": ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "avg-include-pad": ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], count_include_pad=1)),
+    "avg-4x4-s3": ("AveragePool", dict(kernel_shape=[4, 4], strides=[3, 3])),
+    "max-2x2": ("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2])),
+    "max-3x3-pad": ("MaxPool", dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),
+    "global-avg": ("GlobalAveragePool", {}),
+    "global-max": ("GlobalMaxPool", {}),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+@pytest.mark.parametrize("case", list(POOLS))
+def test_qpool(case, dtype, tmp_path):
+    op, attrs = POOLS[case]
+    lo, hi = qrange(dtype)
+    b = QDQ(7)
+    same = case == "max-2x2"
+    x = b.dq("x", 0.03, lo + 17, dtype)
+    y = b.node(op, [x], **attrs)
+    yq = b.q(y, 0.03 if same else 0.011, lo + 17 if same else lo + 40, dtype)
+    check_model_lsb(b.model([("x", dtype, [1, 6, 12, 12])], [(yq, dtype)]), tmp_path, seeds=(0, 1))
+
+
+# ---- exact .5 ties ------------------------------------------------------------------------
+# The integer kernels round the exact value half to even. onnxruntime computes these layers in
+# float32 (its float emulation, QLinearAveragePool, QLinearAdd), whose rounding errors push an
+# exact tie either way, so there (and only there) the two may differ by 1 LSB. Scales with
+# "round" ratios make such ties frequent: these tests check that every difference is at a tie.
+
+def _run_both(m, tmp_path, seed=0):
+    path = save(m, tmp_path)
+    b = flow.build(path, "host", tmp_path / "b", quiet=True)
+    specs = flow.io_specs(b.summary, "inputs")
+    x = reference.random_inputs(specs, seed)
+    got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
+    return x, got[0].astype(np.int64), reference.run_onnxruntime(path.read_bytes(), x)[0].astype(np.int64)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+def test_avgpool_ties_are_the_only_differences(dtype, tmp_path):
+    lo, _ = qrange(dtype)
+    b = QDQ(7)
+    zx = lo + 17
+    y = b.node("AveragePool", [b.dq("x", 0.03, zx, dtype)], kernel_shape=[4, 4], strides=[4, 4])
+    m = b.model([("x", dtype, [1, 6, 12, 12])], [(b.q(y, 0.03, zx, dtype), dtype)])
+    for seed in range(3):
+        x, got, want = _run_both(m, tmp_path, seed)
+        sums = x["x"].astype(np.int64).reshape(1, 6, 3, 4, 3, 4).sum(axis=(3, 5)) - 16 * zx
+        exact = sums / 16.0                      # in LSBs, before the zero point is added
+        tie = exact - np.floor(exact) == 0.5
+        assert np.array_equal(got[~tie], want[~tie]) and np.abs(got - want).max() <= 1
+        assert np.array_equal(got[tie], np.rint(exact[tie]).astype(np.int64) + zx)     # half to even
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+def test_add_ties_are_the_only_differences(dtype, tmp_path):
+    lo, hi = qrange(dtype)
+    b = QDQ(5)
+    za, zb, zy = lo + 1, hi - 2, (lo + hi) // 2
+    y = b.node("Add", [b.dq("a", 0.05, za, dtype), b.dq("b", 0.02, zb, dtype)])
+    m = b.model([("a", dtype, [1, 8, 5, 6]), ("b", dtype, [1, 8, 1, 1])], [(b.q(y, 0.04, zy, dtype), dtype)])
+    ra = float(np.float32(0.05) / np.float32(0.04))
+    rb = float(np.float32(0.02) / np.float32(0.04))
+    for seed in range(3):
+        x, got, want = _run_both(m, tmp_path, seed)
+        exact = (x["a"].astype(np.int64) - za) * ra + (x["b"].astype(np.int64) - zb) * rb
+        tie = exact - np.floor(exact) == 0.5
+        assert np.array_equal(got[~tie], want[~tie]) and np.abs(got - want).max() <= 1
+
+
+# ---- data movement, float islands, graph edges --------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+def test_data_movement_stays_integer(dtype, tmp_path):
+    lo, _ = qrange(dtype)
+    b = QDQ(9)
+    x = b.dq("x", 0.1, lo + 5, dtype)
+    t = b.q(b.node("Transpose", [x], perm=[0, 2, 3, 1]), 0.1, lo + 5, dtype)
+    t2 = b.dq(t, 0.1, lo + 5, dtype)
+    c = b.q(b.node("Concat", [t2, t2], axis=3), 0.1, lo + 5, dtype)
+    r = b.node("Reshape", [c, b.const(np.array([1, -1], np.int64))])
+    m = b.model([("x", dtype, [1, 3, 4, 5])], [(r, dtype)])
+    check_model_lsb(m, tmp_path, variants=("gcc", "gcc-asan-ubsan"))
+    bres = flow.build(save(m, tmp_path, "m2.onnx"), "host", tmp_path / "b", quiet=True)
+    assert {n.op for n in bres.compiled.graph.nodes} <= {"Transpose", "Concat", "Reshape", "Copy"}
+
+
+@pytest.mark.parametrize("act", ["none", "relu", "clip"])
+def test_requantize(act, tmp_path):
+    """Q([Relu|Clip](DQ(x))): a change of scale, zero point and type (int8 -> uint8 -> int8)."""
+    b = QDQ(17)
+    x = b.dq("x", 0.037, -9, np.int8)
+    if act == "relu":
+        x = b.node("Relu", [x])
+    elif act == "clip":
+        x = b.node("Clip", [x, b.const(np.float32(-1.5)), b.const(np.float32(2.0))])
+    u = b.q(x, 0.013, 101, np.uint8)
+    y = b.q(b.dq(u, 0.013, 101, np.uint8), 0.29, 3, np.int8)
+    m = b.model([("x", np.int8, [2, 3, 50])], [(u, np.uint8), (y, np.int8)])
+    check_model_lsb(m, tmp_path, seeds=(0, 1))
+    bres = flow.build(save(m, tmp_path, "m2.onnx"), "host", tmp_path / "b", quiet=True)
+    assert [n.op for n in bres.compiled.graph.nodes] == ["QRequantize", "QRequantize"]
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
+def test_float_island_softmax_and_sigmoid(dtype, tmp_path):
+    lo, _ = qrange(dtype)
+    b = QDQ(11)
+    x = b.dq("x", 0.1, lo + 100, dtype)
+    s = b.q(b.node("Softmax", [x], axis=-1), 1.0 / 256, lo, dtype)
+    x2 = b.dq(s, 1.0 / 256, lo, dtype)
+    y = b.q(b.node("Sigmoid", [x2]), 1.0 / 256, lo, dtype)
+    m = b.model([("x", dtype, [2, 40])], [(y, dtype)])
+    check_model_lsb(m, tmp_path, seeds=(0, 1, 2))
+    bres = flow.build(save(m, tmp_path, "m2.onnx"), "host", tmp_path / "b", quiet=True)
+    assert any("float island" in n and "Softmax" in n for n in bres.summary["notes"]), bres.summary["notes"]
+
+
+def test_float_graph_edges(tmp_path):
+    """float input -> QuantizeLinear -> integer conv -> DequantizeLinear -> float output."""
+    b = QDQ(13)
+    xq = b.q("x", 0.04, 3, np.int8)
+    x = b.dq(xq, 0.04, 3, np.int8)
+    w = b.weights((6, 3, 3, 3), np.int8, np.full(6, 2e-3, np.float32), np.zeros(6, np.int8), axis=0)
+    y = b.node("Conv", [x, w], pads=[1, 1, 1, 1])
+    yq = b.q(y, 0.03, -2, np.int8)
+    out = b.dq(yq, 0.03, -2, np.int8)
+    m = b.model([("x", np.float32, [1, 3, 8, 8])], [(out, np.float32)])
+    path = save(m, tmp_path)
+    bres = flow.build(path, "host", tmp_path / "b", quiet=True)
+    assert [n.op for n in bres.compiled.graph.nodes] == ["QuantizeLinear", "QConv", "DequantizeLinear"]
+    for seed in range(3):
+        feeds = reference.random_inputs(flow.io_specs(bres.summary, "inputs"), seed)
+        got, _ = flow.execute(bres.exe, [feeds["x"]], [((1, 6, 8, 8), np.dtype(np.float32))])
+        want = reference.run_onnxruntime(path.read_bytes(), feeds)[0]
+        lsb = np.abs(got[0] - want) / np.float32(0.03)
+        assert lsb.max() <= 1.0 + 1e-3 and (lsb < 1e-3).mean() >= 0.99
+
+
+# ---- onnxruntime's own quantiser (QDQ format: uint8 activations, int8 weights) ------------
+
+def test_onnxruntime_quantize_static_qdq(tmp_path):
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    rng = np.random.default_rng(0)
+    init = [numpy_helper.from_array((rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32), "w1"),
+            numpy_helper.from_array((rng.standard_normal(8) * 0.1).astype(np.float32), "b1"),
+            numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) * 0.3).astype(np.float32), "w2"),
+            numpy_helper.from_array((rng.standard_normal((8 * 4 * 4, 10)) * 0.1).astype(np.float32), "wd"),
+            numpy_helper.from_array(np.array([1, -1], np.int64), "shape")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"]),
+             helper.make_node("Add", ["c2", "r1"], ["a"]),
+             helper.make_node("MaxPool", ["a"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Reshape", ["p", "shape"], ["f"]),
+             helper.make_node("MatMul", ["f", "wd"], ["y"])]
+    fm = make_model(nodes, [helper.make_tensor_value_info("x", TP.FLOAT, [1, 3, 8, 8])],
+                    [helper.make_tensor_value_info("y", TP.FLOAT, [1, 10])], init)
+    fpath, qpath = save(fm, tmp_path, "float.onnx"), tmp_path / "qdq.onnx"
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.data = iter([{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(8)])
+
+        def get_next(self):
+            return next(self.data, None)
+
+    quantize_static(str(fpath), str(qpath), Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
+    b = flow.build(qpath, "host", tmp_path / "b", quiet=True)
+    ops = [n.op for n in b.compiled.graph.nodes]
+    assert "QConv" in ops and "QAdd" in ops and "QDense" in ops, ops
+    # The float input and output stay float: compare within 1 LSB of the output scale.
+    qm = onnx.load(qpath)
+    last_q = [n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "y"]
+    scale = float(numpy_helper.to_array([i for i in qm.graph.initializer if i.name == last_q[0].input[1]][0]))
+    for seed in range(3):
+        feeds = {"x": np.random.default_rng(seed).standard_normal((1, 3, 8, 8)).astype(np.float32)}
+        got, _ = flow.execute(b.exe, [feeds["x"]], [((1, 10), np.dtype(np.float32))])
+        want = reference.run_onnxruntime(qpath.read_bytes(), feeds)[0]
+        assert np.abs(got[0] - want).max() <= scale * 1.001
+
+
+# ---- MLPerf Tiny int8 models end to end ---------------------------------------------------
+
+MLPERF_INT8 = {   # model: (activation arena lower bound in bytes, from the models' README)
+    "ad_autoencoder_int8.onnx": 768,
+    "kws_dscnn_int8.onnx": 16000,
+    "ic_resnet8_int8.onnx": 49152,
+    "vww_mobilenetv1_int8.onnx": 55296,
+}
+
+
+@pytest.mark.parametrize("name", list(MLPERF_INT8))
+def test_mlperf_int8(name, tmp_path):
+    path = mlperf_model(name)
+    res = flow.run(path, outdir=tmp_path / "run", quiet=True, latency=False)
+    assert res["outputs_match"] and res["tolerance_unit"] == "LSB", res
+    assert res["max_abs_error"] <= 1 and res["identical_fraction"] >= 0.99, res
+    assert res["memory"]["arena_bytes"] == MLPERF_INT8[name] == res["memory"]["lower_bound_bytes"], res["memory"]
+    b = flow.build(path, "host", tmp_path / "run", quiet=True, reuse=True)
+    notes = " ".join(b.summary["notes"])
+    if name != "ad_autoencoder_int8.onnx":
+        assert "float island" in notes and "Softmax" in notes, notes
+    check_model_lsb(path, tmp_path, variants=("clang", "gcc-asan-ubsan"))
+
+
+def test_fp32_comparison_unchanged():
+    a = [np.array([1.0, 2.0], np.float32)]
+    res = reference.compare_outputs(a, [np.array([1.0, 2.00001], np.float32)], 1e-4)
+    assert res["outputs_match"] and res["tolerance"] == 1e-4 and "identical_fraction" not in res
+
+
+def test_lsb_comparison():
+    want = [np.zeros(200, np.int8)]
+    got = np.zeros(200, np.int8)
+    got[0] = 1
+    res = reference.compare_outputs([got], want, 1e-4)
+    assert res["outputs_match"] and res["max_abs_error"] == 1 and res["identical_fraction"] == 0.995
+    got[1] = -1
+    got[2] = 1
+    assert not reference.compare_lsb([got], want)["outputs_match"]     # 98.5% identical
+    got[:] = 0
+    got[0] = 2
+    assert not reference.compare_lsb([got], want)["outputs_match"]     # 2 LSB
