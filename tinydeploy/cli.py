@@ -29,6 +29,10 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("build", help="generate the C project and compile it")
     _common(p)
+    p.add_argument("--builder", choices=["pio", "make"], help="microcontroller boards: PlatformIO (default for "
+                   "real boards, offline) or the generated Makefile")
+    p.add_argument("--emulate", action="store_true", help="microcontroller boards: build for the QEMU machine "
+                   "that stands in for the board, with the board's memory limits")
     p.add_argument("--quantize", choices=["uint8", "int8"], help="quantise first (onnxruntime, QDQ, per channel)")
     p.add_argument("--calibration", help="calibration data for --quantize (.npz/.npy or a folder)")
     p = sub.add_parser("run", help="build, run on inputs, compare with onnxruntime")
@@ -111,7 +115,8 @@ def _dispatch(args, command: str) -> int:
         model = args.model
         if args.quantize:
             model = _quantize_for_build(args)
-        r = flow.build(model, args.board, args.outdir, args.force, shapes, command)
+        r = flow.build(model, args.board, args.outdir, args.force, shapes, command, emulate=args.emulate,
+                       builder=args.builder)
         if args.quantize:
             import shutil
             shutil.copyfile(model, r.outdir / Path(model).name)   # keep the model the C was made from
@@ -155,12 +160,18 @@ def _print_run(res: dict) -> None:
           f"(max abs error {res['max_abs_error']:.3g}, max rel error {res['max_rel_error']:.3g}, "
           f"tolerance {res['tolerance']})")
     lat, mem = res["latency"], res["memory"]
-    if lat.get("median_ms") is not None:
+    if lat.get("instructions") is not None:
+        print(f"latency {lat['instructions']:,} instructions per inference (exact, QEMU -icount)"
+              + (f", >= {lat['median_ms']:.2f} ms at the board's clock" if lat.get("median_ms") else ""))
+    elif lat.get("median_ms") is not None:
         print(f"latency {lat['median_ms']:.4f} ms median of {lat['runs']} runs")
     elif res.get("emulated"):
         print("latency not measured: emulated run (user-mode QEMU says nothing about speed)")
     print(f"memory: arena {mem['arena_bytes']:,} B (lower bound {mem['lower_bound_bytes']:,} B), "
           f"weights {mem['weights_bytes']:,} B")
+    if "flash_bytes" in mem:
+        print(f"firmware: flash {mem['flash_bytes']:,} of {mem['flash_limit_bytes']:,} B, RAM {mem['ram_bytes']:,} "
+              f"of {mem['ram_limit_bytes']:,} B, stack used {mem['stack_used_bytes']:,} B")
 
 
 def _print_summary(s: dict) -> None:
@@ -169,4 +180,8 @@ def _print_summary(s: dict) -> None:
     print(f"  arena {s['arena_bytes']:,} B (lower bound {s['lower_bound_bytes']:,} B)")
     for n in s["notes"]:
         print(f"  note: {n}")
+    fw = s.get("firmware")
+    if fw:
+        print(f"  firmware {s['elf']}: flash {fw['flash_used_bytes']:,} of {fw['flash_bytes']:,} B, "
+              f"RAM {fw['ram_used_bytes']:,} of {fw['ram_bytes']:,} B (stack reserve {fw['stack_reserved_bytes']:,} B)")
     print(f"  files: {', '.join(s['files'])}")

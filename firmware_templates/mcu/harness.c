@@ -1,5 +1,5 @@
 /* harness.c: the device side of the MLPerf Tiny (EEMBC EnergyRunner) serial protocol, performance
- * mode, plus three tinydeploy extensions. Portable C99, the same for every board; the board's
+ * mode, plus tinydeploy's extensions. Portable C99, the same for every board; the board's
  * port_<board>.c supplies the serial port and the tick counter (see port.h).
  *
  * Commands end with '%' (at most 80 characters before it; '\r' and '\n' are ignored). Every reply
@@ -7,7 +7,8 @@
  *   name%              m-name-dut-[<name>]
  *   profile%           m-profile-[ULPMark for tinyML Firmware V0.0.1], m-model-[<id>]
  *   timestamp%         m-lap-us-<u32>
- *   db load N%         m-[Expecting N bytes]; then db <hex>% chunks until m-load-done
+ *   db load N%         m-[Expecting N bytes]; then db <hex>% chunks until m-load-done (with
+ *                      TD_DB_SUBTRACT_128, each byte is taken as uint8 and stored as int8 v - 128)
  *   db print%          m-buffer-<hex> lines (32 bytes each) of the input buffer
  *   infer N W%         m-warmup-start-W, m-warmup-done, m-infer-start-N, m-lap-us-<t0>,
  *                      m-lap-us-<t1>, m-infer-done, m-results-[...]
@@ -18,8 +19,11 @@
  *                      of more than TD_BULK_TIMEOUT_MS between bytes aborts it with e-[timeout ...].
  *   rawout%            m-rawout-bytes-N, then m-raw-<hex> lines (32 bytes each): every output
  *                      tensor's bytes, back to back, exactly as td_output(i) holds them
- *   ticks%             m-ticks-total-T-runs-N-min-A-max-B-hz-H: port ticks spent in td_run()
- *                      by the last infer command (sum over its N timed runs, fastest, slowest)
+ *   ticks%             m-ticks-total-T-runs-N-min-A-max-B-hz-H: port ticks per timed run of the
+ *                      last infer command (sum over its N runs, fastest, slowest), then
+ *                      m-count-total-C-min-X-max-Y-unit-[U]: the port's work counter around
+ *                      td_run() alone (U: instructions under QEMU -icount shift=0, exact;
+ *                      cycles on the nRF52840; ticks where nothing better exists)
  *   stack%             m-stack-used-U-of-R bytes (stack painted at reset)
  *   quit%              m-bye, then port_exit(0) (ends an emulator; resets a real board)
  * The input buffer holds every model input back to back (td_input_bytes(0) + ...); each
@@ -38,6 +42,9 @@
 #endif
 #ifndef TD_MODEL_ID
 #define TD_MODEL_ID "tinydeploy"
+#endif
+#ifndef TD_DB_SUBTRACT_128
+#define TD_DB_SUBTRACT_128 0
 #endif
 #ifndef TD_BULK_TIMEOUT_MS
 #define TD_BULK_TIMEOUT_MS 2000u
@@ -129,6 +136,8 @@ static int cmd_too_long, cmd_bad_byte;
 static uint32_t db_expect, db_have;   /* db load in progress when db_expect > 0 */
 static int have_results;
 static uint32_t last_ticks, last_runs, last_min, last_max;
+static uint64_t last_count;
+static uint32_t last_count_min, last_count_max;
 
 /* ---- output ------------------------------------------------------------------------------ */
 
@@ -149,6 +158,19 @@ static void line(const char *s)
 {
     put(s);
     endl();
+}
+
+static void put_u64(uint64_t v)
+{
+    char buf[21];
+    int n = 0;
+    do {
+        buf[n++] = (char)('0' + (unsigned)(v % 10u));
+        v /= 10u;
+    } while (v);
+    while (n) {
+        port_putc(buf[--n]);
+    }
 }
 
 static void put_u32(uint32_t v)
@@ -406,7 +428,8 @@ static void print_results(void)
 
 static void cmd_infer(char **tok, int n)
 {
-    uint32_t runs = 1, warm = 0, i, t0, dt, total = 0, lo = 0xFFFFFFFFu, hi = 0;
+    uint32_t runs = 1, warm = 0, i, t0, dt, total = 0, lo = 0xFFFFFFFFu, hi = 0, c, clo = 0xFFFFFFFFu, chi = 0;
+    uint64_t ctotal = 0;
     if (n > 3 || (n >= 2 && !parse_u32(tok[1], &runs)) || (n == 3 && !parse_u32(tok[2], &warm)) || runs == 0) {
         error("usage: infer N W (N >= 1 timed runs after W warm-up runs)");
         return;
@@ -432,8 +455,13 @@ static void cmd_infer(char **tok, int n)
     for (i = 0; i < runs; ++i) {
         copy_inputs();
         t0 = port_ticks();
+        port_count_begin();
         td_run();
+        c = port_count_end();
         dt = port_ticks() - t0;
+        ctotal += c;
+        clo = c < clo ? c : clo;
+        chi = c > chi ? c : chi;
         total += dt;
         lo = dt < lo ? dt : lo;
         hi = dt > hi ? dt : hi;
@@ -446,6 +474,9 @@ static void cmd_infer(char **tok, int n)
     last_runs = runs;
     last_min = lo;
     last_max = hi;
+    last_count = ctotal;
+    last_count_min = clo;
+    last_count_max = chi;
     have_results = 1;
     print_results();
 }
@@ -491,7 +522,9 @@ static void cmd_db(char **tok, int n)
             return;
         }
         for (i = 0; i < len; i += 2) {
-            td_in.bytes[db_have++] = (unsigned char)(hex_digit(h[i]) * 16 + hex_digit(h[i + 1]));
+            const unsigned v = (unsigned)(hex_digit(h[i]) * 16 + hex_digit(h[i + 1]));
+            /* uint8 pixels -> int8 (v - 128) for the MLPerf Tiny image models, as the runner expects */
+            td_in.bytes[db_have++] = (unsigned char)(TD_DB_SUBTRACT_128 ? v ^ 0x80u : v);
         }
         if (db_have == db_expect) {
             db_expect = 0;
@@ -622,6 +655,15 @@ static void execute(void)
         put("-hz-");
         put_u32(port_tick_hz());
         endl();
+        put("m-count-total-");
+        put_u64(last_count);
+        put("-min-");
+        put_u32(last_runs ? last_count_min : 0);
+        put("-max-");
+        put_u32(last_count_max);
+        put("-unit-[");
+        put(port_count_unit());
+        line("]");
     } else if (!strcmp(tok[0], "stack") && n == 1) {
         uint32_t reserved = 0;
         const uint32_t used = port_stack_used(&reserved);

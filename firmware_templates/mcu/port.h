@@ -20,6 +20,12 @@ uint32_t port_ticks(void);
 uint32_t port_tick_hz(void);
 /* Microseconds since port_init(); wraps at 2^32. */
 uint32_t port_us(void);
+/* Work counter around td_run(): port_count_begin(), the code to measure, port_count_end() returns
+ * the count in port_count_unit() units ("instructions" when exact, e.g. under QEMU -icount
+ * shift=0; "ticks" of port_ticks() otherwise). One measurement at a time. */
+void port_count_begin(void);
+uint32_t port_count_end(void);
+const char *port_count_unit(void);
 /* Most stack bytes ever used since reset and the bytes reserved (0, 0 when unknown). */
 uint32_t port_stack_used(uint32_t *reserved);
 /* Ends the program: exit code to an emulator, reset or halt on a real board. */

@@ -18,16 +18,22 @@
 uint32_t startup_stack_used(uint32_t *reserved);
 
 static uint32_t us_last_ticks, us_acc, us_rem;
+static uint32_t count_start, count_calibration;
 
 void port_init(void)
 {
     UART0_BAUDDIV = 16u;
     UART0_CTRL = 3u;
+    /* Reading DATA makes QEMU look at the host side of the serial port again: it may have asked
+     * before RX was enabled, got "not ready", and would otherwise wait for an unrelated event. */
+    (void)UART0_DATA;
     TIMER0_CTRL = 0u;
     TIMER0_RELOAD = 0xFFFFFFFFu;
     TIMER0_VALUE = 0xFFFFFFFFu;
     TIMER0_CTRL = 1u;
     us_last_ticks = port_ticks();
+    port_count_begin();
+    count_calibration = port_count_end();   /* an empty measurement counts 0 */
 }
 
 void port_putc(char c)
@@ -61,6 +67,78 @@ uint32_t port_us(void)
     us_acc += elapsed / (TICK_HZ / 1000000u);
     us_rem = elapsed % (TICK_HZ / 1000000u);
     return us_acc;
+}
+
+/* Exact instruction counts under QEMU -icount shift=0, where the 25 MHz timer advances exactly
+ * every 40 instructions. td_align() waits for a timer edge with a 4-instruction loop, then finds
+ * where in that loop the edge fell (d = 0..3 instructions late) by reading the timer exactly 38
+ * and 77..79 instructions later across the next two edges, and ends at a fixed 85 instructions
+ * after the edge on every path. Its own entry point in instructions is then
+ * 40 * ticks_at_edge + d - 4 * loop_iterations and its exit 40 * ticks_at_edge (+ constants), so
+ * the distance from one td_align()'s exit to the next one's entry is exact to the instruction,
+ * whatever the phase of the timer (tests/test_mcu.py checks it at every phase). Every instruction
+ * below counts 1 for QEMU, branch taken or not: the counts are the layout, do not edit casually. */
+__attribute__((noinline)) static uint32_t td_align(uint32_t *exit_stamp)
+{
+    uint32_t v0, v, k, a, d;   /* v0 is reused for the second-level reads */
+    const volatile uint32_t *t = &TIMER0_VALUE;
+    __asm__ volatile(
+        "movs %[k], #0\n\t"
+        "ldr %[v0], [%[t]]\n"
+        "1:\n\t"
+        "ldr %[v], [%[t]]\n\t"
+        "adds %[k], %[k], #1\n\t"
+        "cmp %[v], %[v0]\n\t"
+        "beq 1b\n\t"
+        ".rept 34\n\tnop\n\t.endr\n\t"
+        "ldr %[a], [%[t]]\n\t"              /* edge + d + 38: changed iff d >= 2 */
+        "cmp %[a], %[v]\n\t"
+        "bne 3f\n\t"
+        "subs %[a], %[a], #1\n\t"          /* the value after edge + 40 (a down counter) */
+        ".rept 37\n\tnop\n\t.endr\n\t"
+        "ldr %[v0], [%[t]]\n\t"              /* edge + d + 79: past edge + 80 iff d >= 1 */
+        "cmp %[v0], %[a]\n\t"
+        "bne 2f\n\t"
+        "movs %[d], #0\n\t"
+        "nop\n\t"
+        "b 9f\n"
+        "2:\n\t"
+        "movs %[d], #1\n\t"
+        "b 9f\n"
+        "3:\n\t"
+        ".rept 36\n\tnop\n\t.endr\n\t"
+        "ldr %[v0], [%[t]]\n\t"              /* edge + d + 77: past edge + 80 iff d >= 3 */
+        "cmp %[v0], %[a]\n\t"
+        "bne 4f\n\t"
+        "movs %[d], #2\n\t"
+        "nop\n\t"
+        "b 9f\n"
+        "4:\n\t"
+        "movs %[d], #3\n\t"
+        "nop\n"
+        "9:\n"
+        : [v0] "=&l"(v0), [v] "=&l"(v), [k] "=&l"(k), [a] "=&l"(a), [d] "=&l"(d)
+        : [t] "l"(t)
+        : "cc", "memory");
+    (void)v0;
+    *exit_stamp = 40u * (0xFFFFFFFFu - v);     /* exit: edge + 85 (+ the constant return path) */
+    return 40u * (0xFFFFFFFFu - v) + d - 4u * k;   /* entry: edge + d - 4 k (+ a constant) */
+}
+
+void port_count_begin(void)
+{
+    (void)td_align(&count_start);
+}
+
+uint32_t port_count_end(void)
+{
+    uint32_t exit_stamp;
+    return td_align(&exit_stamp) - count_start - count_calibration;
+}
+
+const char *port_count_unit(void)
+{
+    return "instructions";
 }
 
 uint32_t port_stack_used(uint32_t *reserved)

@@ -1,0 +1,274 @@
+"""The host side of the firmware's serial protocol (MLPerf Tiny / EEMBC EnergyRunner performance
+mode plus tinydeploy's extensions; firmware_templates/mcu/harness.c documents the device side).
+
+Device works over any pyserial URL or object: a real board (/dev/ttyACM0), QEMU's serial port
+(socket://127.0.0.1:PORT) or loop:// in tests. Reads are expect-style with timeouts, and every
+line sent or received is kept in Device.log, so a failure can show what the board last said."""
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from dataclasses import dataclass
+
+from tinydeploy.codegen.cfmt import printable
+from tinydeploy.errors import TinydeployError
+
+CMD_MAX = 80          # the device's command buffer (characters before '%')
+DB_CHUNK = 31         # bytes per `db <hex>%` chunk, as the EnergyRunner sends them
+
+
+@dataclass
+class Counts:
+    """What `ticks%` reports about the last `infer N W%`."""
+    runs: int
+    ticks_total: int
+    ticks_min: int
+    ticks_max: int
+    tick_hz: int
+    count_total: int
+    count_min: int
+    count_max: int
+    count_unit: str     # "instructions" (exact, QEMU -icount shift=0) or "ticks"
+
+    @property
+    def ticks_per_run(self) -> float:
+        return self.ticks_total / self.runs if self.runs else 0.0
+
+
+class Device:
+    """One board (or emulator) speaking the protocol.
+
+    port: a pyserial URL or path (str), or an already open serial-like object (read/write/close).
+    timeout: default seconds to wait for a reply line."""
+
+    def __init__(self, port, timeout: float = 10.0, baudrate: int = 115200):
+        if isinstance(port, str):
+            import serial
+            try:
+                self.ser = serial.serial_for_url(port, baudrate=baudrate, timeout=0.05)
+            except (serial.SerialException, OSError, ValueError) as e:
+                raise TinydeployError(f"cannot open serial port {printable(port)!r}: {printable(str(e), 160)}") from None
+            self.where = port
+        else:
+            self.ser = port
+            self.where = getattr(port, "name", None) or getattr(port, "port", None) or "serial port"
+        self.timeout = timeout
+        self.log: list[str] = []
+        self._buf = bytearray()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        try:
+            self.ser.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def write(self, data: bytes, note: str | None = None) -> None:
+        self.log.append("> " + (note if note is not None else printable(data.decode("latin-1"), 200)))
+        try:
+            self.ser.write(data)
+            if hasattr(self.ser, "flush"):
+                self.ser.flush()
+        except Exception as e:
+            raise TinydeployError(f"writing to {printable(str(self.where))} failed: {printable(str(e), 160)}") from None
+
+    def _fill(self, deadline: float) -> bool:
+        """Reads whatever arrives before deadline into the buffer; False when nothing did."""
+        try:
+            waiting = getattr(self.ser, "in_waiting", 0)
+            data = self.ser.read(max(1, waiting))
+        except Exception as e:
+            raise TinydeployError(f"reading from {printable(str(self.where))} failed: {printable(str(e), 160)}") from None
+        if data:
+            self._buf += data
+            return True
+        return time.monotonic() < deadline
+
+    def _stopped(self, waiting_for: str, timeout: float) -> TinydeployError:
+        tail = " | ".join(self.log[-6:]) or "(nothing)"
+        partial = f"; partial line {printable(self._buf.decode('latin-1'), 80)!r}" if self._buf else ""
+        return TinydeployError(f"board stopped answering: no {waiting_for} within {timeout:g} s on "
+                               f"{printable(str(self.where))}{partial}; last exchange: {printable(tail, 400)}")
+
+    def readline(self, timeout: float | None = None, waiting_for: str = "reply") -> str:
+        """The next line without its line end; raises TinydeployError after timeout seconds."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl >= 0:
+                raw = bytes(self._buf[:nl])
+                del self._buf[:nl + 1]
+                text = raw.decode("latin-1").rstrip("\r")
+                self.log.append("< " + printable(text, 300))
+                return text
+            if time.monotonic() >= deadline:
+                raise self._stopped(waiting_for, timeout)
+            self._fill(deadline)
+
+    def expect(self, pattern: str, timeout: float | None = None, what: str | None = None) -> tuple[re.Match, list[str]]:
+        """Reads lines until one matches the regular expression; returns the match and the lines
+        read before it. `what` names the awaited answer in the timeout error."""
+        timeout = self.timeout if timeout is None else timeout
+        what = what or f"line matching {pattern!r}"
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        seen = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._stopped(what, timeout)
+            try:
+                line = self.readline(left, waiting_for=what)
+            except TinydeployError:
+                raise self._stopped(what, timeout) from None
+            m = rx.search(line)
+            if m:
+                return m, seen
+            seen.append(line)
+
+    def drain(self, quiet: float = 0.3, limit: float = 5.0) -> bytes:
+        """Discards input until nothing arrives for `quiet` seconds (at most `limit` seconds)."""
+        got = bytearray(self._buf)
+        self._buf.clear()
+        end = time.monotonic() + limit
+        last = time.monotonic()
+        while time.monotonic() < end and time.monotonic() - last < quiet:
+            data = self.ser.read(max(1, getattr(self.ser, "in_waiting", 0)))
+            if data:
+                got += data
+                last = time.monotonic()
+        if got:
+            self.log.append("< (discarded) " + printable(bytes(got).decode("latin-1"), 200))
+        return bytes(got)
+
+    def command(self, cmd: str, timeout: float | None = None, check: bool = True) -> list[str]:
+        """Sends `cmd%` and returns the reply lines before m-ready. With check, an e-[...] line
+        raises TinydeployError."""
+        if len(cmd) > CMD_MAX:
+            raise TinydeployError(f"command {printable(cmd, 40)!r} is longer than the device's {CMD_MAX} characters")
+        self.write(cmd.encode("ascii") + b"%")
+        _, lines = self.expect(r"^m-ready$", timeout, what=f"complete reply to {cmd + '%'!r}")
+        if check:
+            self.raise_errors(cmd, lines)
+        return lines
+
+    @staticmethod
+    def raise_errors(cmd: str, lines: list[str]) -> None:
+        errs = [ln for ln in lines if ln.startswith("e-[")]
+        if errs:
+            raise TinydeployError(f"the board refused {printable(cmd, 40)!r}: {printable('; '.join(errs), 300)}")
+
+    # ---- the protocol -------------------------------------------------------------------------
+
+    def wait_boot(self, timeout: float = 30.0) -> str:
+        """Waits until the device answers (name%), skipping its boot banner, which a host that
+        connects late (or pyserial's socket://, which flushes input on open) may miss in part.
+        Returns the device's name."""
+        self.write(b"name%")
+        m, _ = self.expect(r"^m-name-dut-\[(.*)\]$", timeout)
+        self.expect(r"^m-ready$", timeout)
+        return m.group(1)
+
+    def resync(self, timeout: float | None = None) -> None:
+        """Ends whatever partial command the device holds ('%') and discards the answers."""
+        self.write(b"%")
+        self.expect(r"^m-ready$", timeout)
+        self.drain()
+
+    def name(self) -> str:
+        return self._field(self.command("name"), r"^m-name-dut-\[(.*)\]$", "name")
+
+    def profile(self) -> dict:
+        lines = self.command("profile")
+        return {"profile": self._field(lines, r"^m-profile-\[(.*)\]$", "profile"),
+                "model": self._field(lines, r"^m-model-\[(.*)\]$", "profile")}
+
+    def timestamp_us(self) -> int:
+        return int(self._field(self.command("timestamp"), r"^m-lap-us-(\d+)$", "timestamp"))
+
+    def load(self, data: bytes, timeout: float | None = None) -> None:
+        """Fills the input buffer with the binary bulk load (bload N CRC%), checked by CRC-32."""
+        if not data:
+            raise TinydeployError("nothing to load: the model's inputs are empty")
+        cmd = f"bload {len(data)} {zlib.crc32(data):08x}"
+        self.write(cmd.encode() + b"%")
+        m, before = self.expect(r"^(m-bload-ready-\d+|m-ready)$", timeout)
+        if m.group(1) == "m-ready":
+            self.raise_errors(cmd, before)
+            raise TinydeployError(f"the board did not accept {cmd!r}: {printable(' | '.join(before), 200)}")
+        self.write(data, note=f"({len(data)} raw bytes)")
+        # about 18 KB/s through QEMU's UART, a little less on 115200-baud hardware
+        _, lines = self.expect(r"^m-ready$", timeout if timeout is not None else max(self.timeout, len(data) / 5000))
+        self.raise_errors(cmd, lines)
+        if "m-load-done" not in lines:
+            raise TinydeployError(f"bulk load of {len(data)} bytes did not complete: {printable(' | '.join(lines), 200)}")
+
+    def load_hex(self, data: bytes, chunk: int = DB_CHUNK) -> None:
+        """Fills the input buffer the EnergyRunner way: db load N%, then db <hex>% chunks."""
+        self.command(f"db load {len(data)}")
+        for i in range(0, len(data), chunk):
+            lines = self.command("db " + data[i:i + chunk].hex())
+        if "m-load-done" not in lines:
+            raise TinydeployError(f"db load of {len(data)} bytes did not complete")
+
+    def infer(self, n: int = 1, warmup: int = 0, timeout: float | None = None) -> float:
+        """Runs `infer n warmup%`; returns the latency in port ticks per inference (see counts())."""
+        lines = self.command(f"infer {n} {warmup}", timeout if timeout is not None else max(self.timeout, 600.0))
+        if "m-infer-done" not in lines:
+            raise TinydeployError(f"infer did not complete: {printable(' | '.join(lines[-4:]), 200)}")
+        self.last_results = self._results(lines)
+        self.last_counts = self.counts()
+        return self.last_counts.ticks_per_run
+
+    def counts(self) -> Counts:
+        lines = self.command("ticks")
+        t = self._match(lines, r"^m-ticks-total-(\d+)-runs-(\d+)-min-(\d+)-max-(\d+)-hz-(\d+)$", "ticks")
+        c = self._match(lines, r"^m-count-total-(\d+)-min-(\d+)-max-(\d+)-unit-\[(\w+)\]$", "ticks")
+        return Counts(runs=int(t[2]), ticks_total=int(t[1]), ticks_min=int(t[3]), ticks_max=int(t[4]),
+                      tick_hz=int(t[5]), count_total=int(c[1]), count_min=int(c[2]), count_max=int(c[3]),
+                      count_unit=c[4])
+
+    def results(self) -> list[float]:
+        return self._results(self.command("results"))
+
+    def outputs(self) -> bytes:
+        """Every output tensor's raw bytes, back to back (rawout%)."""
+        lines = self.command("rawout")
+        n = int(self._field(lines, r"^m-rawout-bytes-(\d+)$", "rawout"))
+        data = bytes.fromhex("".join(ln[len("m-raw-"):] for ln in lines if ln.startswith("m-raw-")))
+        if len(data) != n:
+            raise TinydeployError(f"rawout announced {n} bytes but sent {len(data)}")
+        return data
+
+    def stack(self) -> tuple[int, int]:
+        m = self._match(self.command("stack"), r"^m-stack-used-(\d+)-of-(\d+)$", "stack")
+        return int(m[1]), int(m[2])
+
+    def quit(self, timeout: float = 5.0) -> None:
+        self.write(b"quit%")
+        self.expect(r"^m-bye$", timeout)
+
+    # ---- parsing helpers --------------------------------------------------------------------
+
+    def _match(self, lines: list[str], pattern: str, what: str) -> re.Match:
+        for ln in lines:
+            m = re.match(pattern, ln)
+            if m:
+                return m
+        raise TinydeployError(f"unexpected answer to {what}%: {printable(' | '.join(lines), 200)}")
+
+    def _field(self, lines, pattern, what) -> str:
+        return self._match(lines, pattern, what).group(1)
+
+    def _results(self, lines: list[str]) -> list[float]:
+        body = self._field(lines, r"^m-results-\[(.*)\]$", "results")
+        return [float(x) for x in body.split(",") if x]
