@@ -14,10 +14,12 @@ from tinydeploy.errors import TinydeployError
 from tinydeploy.importer import import_model, sha256_file
 from tinydeploy.ops import REGISTRY, Kernel, unsupported_nodes
 from tinydeploy.passes import run_passes
+from tinydeploy.quant import quantize_qdq
+from tinydeploy.select import select_kernels
 from tinydeploy.planner import Plan, plan_memory
 from tinydeploy.targets import Target
 
-RUNTIME_DTYPES = {np.dtype(np.float32)}
+RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.uint8)}
 
 
 @dataclass
@@ -56,11 +58,14 @@ def lower(g: ir.Graph) -> list[Kernel | None]:
 
 def compile_model(path, target: Target, input_shapes=None, command: str = "", board: str = "host") -> Compiled:
     g, _ = import_model(path, input_shapes)
+    # QDQ models: weights are DequantizeLinear outputs until this pass (also first in PASSES,
+    # where it is then a no-op) turns them into integer operators or float constants.
+    quantize_qdq(g)
     check_supported(g)
     run_passes(g)
     check_supported(g)
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
-    kernels = lower(g)
+    kernels = select_kernels(g, lower(g), target)   # fast conv/dense algorithms per layer
     plan = plan_memory(g, kernels, target.alignment)
     sha = sha256_file(Path(path))
     info = project.ModelInfo(Path(path).name, sha, command, board)

@@ -1,0 +1,386 @@
+"""Kernel selection: between lowering and memory planning, pick the algorithm of each fp32
+convolution and fully connected layer for the target.
+
+Lowering emits generic kernels (`conv2d`, `dense`: the portable direct reference, which stays
+the fallback and the oracle). Here a small cost model (conv_costs, in micro-kernel MACs) may
+replace one by:
+  conv2d_gemm   the convolution as a GEMM  Y[M/G][OH*OW] = W[M/G][C/G*KH*KW] . X_col, BLIS-style:
+                weights packed at build time into MR-row panels ([panel][K][MR], zero-padded rows),
+                activations packed at run time into NR-column panels of a kc x nc block (a 1x1
+                stride-1 unpadded conv copies the activation rows as they are: no im2col; other
+                convs gather the block's im2col rows through a row buffer); loops jc > pc > ic >
+                jr > ir around a register micro-kernel MR x NR per ISA; kc/mc/nc from the
+                target's L1/L2 sizes; bias + activation fused into the last K block's stores.
+  conv2d_igemm  convolution as an implicit GEMM: the input copied once into zero-padded planes
+                (one set per stride phase a tap uses), the micro-kernel reads every (channel,
+                tap) row of B straight from them at a build-time offset (no im2col, no
+                activation packing; costs the WP - OW extra columns per row). Wins when few
+                output channels share each packed B element (ResNet-8, most 3x3 layers).
+  conv2d_gemmt  1x1 stride-1 convolution on a small plane as the transposed GEMM (positions in
+                the broadcast dimension, output channels in the vector dimension: a 6x6 plane
+                pads nothing), input packed at run time, weights at build time.
+  conv2d_dw     depthwise (group == in channels): direct, per channel through a zero-padded
+                copy of the plane (no bounds tests), stride 1 as one flat vectorised loop.
+  dense_packed  fully connected with more than a few rows: the same GEMM with the weights
+                packed into NR-column panels at build time and the input rows packed at run time.
+  ref           tiny layers (< MIN_MACS) and matrix-vector products keep the reference kernel.
+Micro-kernel variants (templates <family>_f32_<isa>.c.j2, tiles in TILES): portable C (`ref`,
+the fallback of every ISA), `avx2` (FMA, ymm), `avx512` (zmm, where the host has it), `neon`
+(vfmaq_laneq_f32). The choice is explicit: params["algo"] and a "[algo isa tile ...]" prefix of
+Kernel.desc (printed in the generated code's comments; `describe()` lists them).
+TINYDEPLOY_ALGO=ref keeps every reference kernel; =<algo name> forces that algorithm wherever it
+applies; TINYDEPLOY_TILE=MRxNR forces a tile (tests and experiments).
+
+Run-time buffers (packed activations, padded planes) are kernel scratch: `scratch_bytes`,
+placed in the arena by the planner under the name "#scratch<step>" and passed as the kernel's
+last argument. Microcontroller targets (cortex-m*) keep the reference kernels unless forced.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+
+from tinydeploy import ir
+from tinydeploy.codegen import kernels as kreg
+from tinydeploy.ops import Kernel
+
+# Register tiles (MR rows x NR columns) each micro-kernel variant is generated for, with a
+# relative cost per multiply-accumulate (loads per FMA, latency cover). The templates take MR/NR
+# as parameters; build-time weight packing depends on them, so the choice is made here, per
+# layer, to waste the least padding on its M and N (e.g. 16 output channels: 4x24 or 8x8
+# rather than 6x16). Register budget: avx2 MR*NR/8 + NR/8 + 1 <= 16 ymm; avx512
+# MR*NR/16 + NR/16 + 1 <= 32 zmm; neon MR*NR/4 + MR/4 + NR/4 <= 32 q registers.
+TILES = {
+    "ref": [(4, 8, 1.0)],
+    "avx2": [(6, 16, 1.0), (4, 24, 1.0), (8, 8, 1.12), (12, 8, 1.08), (4, 16, 1.15)],
+    "avx512": [(8, 32, 1.0), (4, 48, 1.02), (12, 32, 1.15), (6, 64, 1.1), (24, 16, 1.05), (16, 16, 1.1),
+               (8, 16, 1.25)],
+    "neon": [(8, 12, 1.0), (12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.1)],
+}
+
+
+def pick_tile(isa: str, rows: int, cols: int) -> tuple[int, int]:
+    """The tile with the least estimated cost for a rows x cols output (padding + edge tiles)."""
+    def cost(t):
+        mr, nr, eff = t
+        full = _round_up(rows, mr) * _round_up(cols, nr) * eff
+        edges = (rows % mr != 0) * (cols // nr + 1) + (cols % nr != 0) * (rows // mr + 1)
+        return full + edges * mr * nr
+    forced = os.environ.get("TINYDEPLOY_TILE", "")      # e.g. "8x32": experiments and tests
+    if forced:
+        mr, nr = (int(v) for v in forced.lower().split("x"))
+        return mr, nr
+    mr, nr, _ = min(TILES[isa], key=cost)
+    return mr, nr
+
+# Cost model, in units of one micro-kernel multiply-accumulate (on padded tiles); measured
+# roughly on the host (AVX-512 / AVX2) with single layers of ResNet-8 and ResNet-50.
+REF_COST = {"ref": 1.5, "avx2": 5.0, "avx512": 8.0, "neon": 4.0}   # a reference direct-conv MAC
+PACK_COST = 11.0         # per im2col element gathered into the panels
+COPY_COST = 3.0          # per activation element copied (1x1 packing, padded planes)
+GATHER_COST = 6.0        # per element gathered with a stride (phase planes of a strided conv)
+TILE_COST = 40.0         # per micro-tile call (C tile load/store, loop, epilogue)
+GEMMT_MAX_K = 1024       # conv2d_gemmt keeps K in one block: MR x K and K x NR panels in L2
+IGEMM_MAX_TAPS = 49      # taps are unrolled in the implicit micro-kernel
+IGEMM_L2_PENALTY = 0.0    # measured: no visible slowdown up to 256 channels (ResNet-50 14x14)
+IM2COL_FACTOR = 1.15      # micro-kernel MACs of an im2col GEMM vs a 1x1 one (measured, ResNet-50)
+MIN_MACS = 4096          # below this a layer keeps the reference kernel
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def blocking(target, mr: int, nr: int, k: int, rows: int, cols: int) -> tuple[int, int, int]:
+    """(kc, mc, nc): a kc x NR micro-panel of B takes about half of L1, an mc x kc block of A
+    about half of L2, a kc x nc packed block of B an eighth of L2 (it is scratch in the arena)."""
+    l1 = int(getattr(target, "l1d_bytes", 32768) or 32768)
+    l2 = int(getattr(target, "l2_bytes", 524288) or 524288)
+    kc = max(32, min(1024, (l1 // 2) // (nr * 4) // 8 * 8))
+    blocks = -(-k // kc)
+    kc = min(k, _round_up(-(-k // blocks), 4))           # equal blocks, no tiny tail block
+    mc = max(mr, (l2 // 2) // (kc * 4) // mr * mr)
+    mc = min(mc, _round_up(rows, mr))
+    nc = max(2 * nr, (l2 // 8) // (kc * 4) // nr * nr)
+    nc = min(nc, _round_up(cols, nr))
+    return kc, mc, nc
+
+
+def _algo_env() -> str:
+    return os.environ.get("TINYDEPLOY_ALGO", "auto").strip() or "auto"
+
+
+def _isa(family: str, target) -> str:
+    _, isa = kreg.resolve(family, "f32", list(target.isas))
+    return isa
+
+
+def _add_const(g: ir.Graph, base: str, data: np.ndarray) -> str:
+    name = g.fresh_name(base)
+    g.tensors[name] = ir.Tensor(name, data.shape, np.dtype(np.float32), data=np.ascontiguousarray(data, np.float32))
+    return name
+
+
+def _add_scratch(g: ir.Graph, step: int, nbytes: int) -> str:
+    # The planner names kernel scratch "#scratch<step>"; a runtime tensor of that name lets the
+    # code generator pass its arena address like any other argument.
+    name = f"#scratch{step}"
+    g.tensors[name] = ir.Tensor(name, (max(1, nbytes // 4),), np.dtype(np.float32))
+    return name
+
+
+# ---- convolution ---------------------------------------------------------------------------
+
+def _igemm_geometry(p: dict) -> tuple[int, int, list[tuple[int, int]], list[int]]:
+    """(HP, WP, phases, tap offsets) of conv2d_igemm's zero-padded planes: one set of C/G planes
+    per stride phase (py, px) some tap uses; tap (ky, kx) reads phase ((ky*DH) % SH, (kx*DW) % SW)
+    at row (ky*DH) // SH, column (kx*DW) // SW of the padded-flat output index."""
+    sh, sw, dh, dw = p["SH"], p["SW"], p["DH"], p["DW"]
+    hp = p["OH"] + (p["KH"] - 1) * dh // sh
+    wp = p["OW"] + (p["KW"] - 1) * dw // sw
+    taps = [(ky * dh, kx * dw) for ky in range(p["KH"]) for kx in range(p["KW"])]
+    phases = sorted({(ty % sh, tx % sw) for ty, tx in taps})
+    plane_set = (p["C"] // p["G"]) * hp * wp
+    offs = [phases.index((ty % sh, tx % sw)) * plane_set + (ty // sh) * wp + tx // sw for ty, tx in taps]
+    return hp, wp, phases, offs
+
+
+def conv_costs(p: dict, isa: str, l1: int = 32768) -> dict[str, float]:
+    """Estimated time of each applicable algorithm, in micro-kernel MACs."""
+    G, C, M = p["G"], p["C"], p["M"]
+    mg, cg, k = M // G, C // G, (C // G) * p["KH"] * p["KW"]
+    cols = p["OH"] * p["OW"]
+    macs = p["N"] * M * cols * k
+    out = {"ref": macs * REF_COST[isa]}
+    mr, nr = pick_tile(isa, mg, cols)
+    direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0
+    padded = _round_up(mg, mr) * _round_up(cols, nr) * k
+    tiles = (_round_up(mg, mr) // mr) * (_round_up(cols, nr) // nr)
+    out["conv2d_gemm"] = p["N"] * G * (padded * (1.0 if direct else IM2COL_FACTOR)
+                                       + k * cols * (COPY_COST if direct else PACK_COST) + tiles * TILE_COST)
+    if direct and G == 1 and k <= GEMMT_MAX_K:      # transposed 1x1 GEMM: K in one block
+        mr, nr = pick_tile(isa, cols, mg)
+        padded = _round_up(cols, mr) * _round_up(mg, nr) * k
+        tiles = (_round_up(cols, mr) // mr) * (_round_up(mg, nr) // nr)
+        out["conv2d_gemmt"] = p["N"] * (padded + k * cols * GATHER_COST + tiles * (TILE_COST + 2 * mr * nr))
+    if p["KH"] * p["KW"] <= IGEMM_MAX_TAPS:
+        hp, wp, phases, _ = _igemm_geometry(p)
+        mr, nr = pick_tile(isa, mg, p["OH"] * wp)
+        padded = _round_up(mg, mr) * _round_up(p["OH"] * wp, nr) * k
+        tiles = (_round_up(mg, mr) // mr) * (_round_up(p["OH"] * wp, nr) // nr)
+        # B is read from the padded planes: past L1 (many input channels) the loads slow down
+        spill = 1.0 + IGEMM_L2_PENALTY * (cg * (nr + (p["KH"] - 1) * p["DH"] * wp + p["KW"]) * 4 > l1 // 2)
+        copy = cg * hp * wp * len(phases) * (COPY_COST if p["SW"] == 1 else GATHER_COST)
+        out["conv2d_igemm"] = p["N"] * G * (padded * spill + copy + tiles * (TILE_COST + mr * nr))
+    return out
+
+
+def conv_choice(p: dict, isa: str, force: str, l1: int = 32768) -> str:
+    """Algorithm for one conv layer (params from ops.conv.conv_geometry)."""
+    G, C, M = p["G"], p["C"], p["M"]
+    depthwise = G == C and G > 1 and M % C == 0
+    if force == "ref":
+        return "ref"
+    if force == "conv2d_dw":
+        return "conv2d_dw" if depthwise else "ref"
+    costs = conv_costs(p, isa, l1)
+    if force in ("conv2d_gemm", "conv2d_igemm", "conv2d_gemmt"):
+        return force if force in costs else "conv2d_gemm"
+    macs = p["N"] * M * p["OH"] * p["OW"] * (C // G) * p["KH"] * p["KW"]
+    if macs < MIN_MACS:
+        return "ref"
+    if depthwise:
+        return "conv2d_dw"
+    return min(costs, key=costs.get)
+
+
+_CLIP_LO = re.compile(r"^\(v < (?P<k>[-+0-9.eE]+f) \? (?P=k) : v\)$")
+_CLIP_HI = re.compile(r"^\((?P<e>.+) > (?P<k>[-+0-9.eE]+f) \? (?P=k) : (?P=e)\)$")
+
+
+def vector_act(act: str) -> list[tuple[str, str]] | None:
+    """The fused activation (a C expression over v, see ops.elementwise.activation_expr) as
+    vector steps the micro-kernels apply in registers, or None when it has no exact vector form
+    (then the drivers' scalar epilogue applies it)."""
+    if act == "v":
+        return []
+    if act == "(v > 0.0f ? v : 0.0f)":
+        return [("relu", "")]
+    steps = []
+    m = _CLIP_HI.match(act)
+    if m:
+        steps.append(("hi", m.group("k")))
+        act = m.group("e")
+    if act == "v":
+        return steps
+    m = _CLIP_LO.match(act)
+    if m:
+        return [("lo", m.group("k"))] + steps
+    return None
+
+
+def _epilogue(g: ir.Graph, kern: Kernel, p: dict, mr: int, args: list[str]) -> dict:
+    """Fused-epilogue parameters; with a bias, args[2] becomes the bias padded to MR rows per group."""
+    vact = vector_act(p["act"])
+    if vact is None:
+        return {"on": False, "bias": False, "act": p["act"], "vact": []}
+    if p["has_bias"]:
+        G, mg = p["G"], p["M"] // p["G"]
+        mp = _round_up(mg, mr)
+        bias = np.zeros((G, mp), np.float32)
+        bias[:, :mg] = g.const(kern.args[2]).astype(np.float32).reshape(G, mg)
+        args[2] = _add_const(g, kern.args[-1] + "_bias_padded", bias.reshape(-1))
+    return {"on": True, "bias": bool(p["has_bias"]), "act": p["act"], "vact": vact}
+
+
+def _pack_conv_weights(w: np.ndarray, G: int, mr: int) -> np.ndarray:
+    """[M][C/G][KH][KW] -> per group, panels of MR output channels: [G][Mp/MR][K][MR], zeros in
+    the padding rows."""
+    m = w.shape[0]
+    mg, k = m // G, int(np.prod(w.shape[1:]))
+    mp = _round_up(mg, mr)
+    a = np.zeros((G, mp, k), np.float32)
+    a[:, :mg, :] = w.reshape(G, mg, k)
+    return np.ascontiguousarray(a.reshape(G, mp // mr, mr, k).transpose(0, 1, 3, 2)).reshape(-1)
+
+
+def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str) -> Kernel:
+    p = dict(kern.params)
+    algo = conv_choice(p, _isa("conv2d_gemm", target), force, int(getattr(target, "l1d_bytes", 32768)))
+    if algo == "conv2d_dw":
+        isa = _isa("conv2d_dw", target)
+        p.update(algo=algo, MULT=p["M"] // p["C"])
+        hp = (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] + 1
+        wp = (p["OW"] - 1) * p["SW"] + (p["KW"] - 1) * p["DW"] + 1
+        flat = _round_up((p["OH"] - 1) * wp + p["OW"], 16) if p["SH"] == p["SW"] == 1 else 0
+        scratch = 4 * (hp * wp + 2 * flat)      # planes, zero slack, flat accumulator
+        args = list(kern.args) + [_add_scratch(g, step, scratch)]
+        return Kernel("conv2d_dw", kern.dtype, p, args, scratch, f"[conv2d_dw {isa}] {kern.desc}")
+    if algo == "conv2d_igemm":
+        return _select_igemm(g, step, kern, target)
+    if algo == "conv2d_gemmt":
+        return _select_gemmt(g, step, kern, target)
+    if algo != "conv2d_gemm":
+        kern.params = dict(kern.params, algo="ref")
+        kern.desc = f"[ref direct] {kern.desc}"
+        return kern
+    isa = _isa("conv2d_gemm", target)
+    G = p["G"]
+    mg, k, cols = p["M"] // G, (p["C"] // G) * p["KH"] * p["KW"], p["OH"] * p["OW"]
+    mr, nr = pick_tile(isa, mg, cols)
+    kc, mc, nc = blocking(target, mr, nr, k, mg, cols)
+    direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0
+    w = g.const(kern.args[1]).astype(np.float32)
+    wname = _add_const(g, kern.args[-1] + "_weight_packed", _pack_conv_weights(w, G, mr))
+    panel_floats = kc * _round_up(nc, nr)
+    row_floats = 0 if direct else _round_up(nc, 16)
+    scratch = 4 * (panel_floats + row_floats)
+    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
+    p["E"] = _epilogue(g, kern, p, mr, args)
+    p.update(algo=algo, isa=isa, MR=mr, NR=nr, KC=kc, MC=mc, NC=nc, K=k, MG=mg, CG=p["C"] // G,
+             MP=_round_up(mg, mr), P=cols, DIRECT=direct, ROWOFF=panel_floats)
+    desc = f"[conv2d_gemm {isa} {mr}x{nr} kc {kc} mc {mc} nc {nc}{' direct' if direct else ' im2col'}] {kern.desc}"
+    return Kernel("conv2d_gemm", kern.dtype, p, args, scratch, desc)
+
+
+def _select_gemmt(g: ir.Graph, step: int, kern: Kernel, target) -> Kernel:
+    p = dict(kern.params)
+    isa = _isa("conv2d_gemmt", target)
+    k, m, cols = p["C"], p["M"], p["OH"] * p["OW"]
+    mr, nr = pick_tile(isa, cols, m)
+    w = g.const(kern.args[1]).astype(np.float32).reshape(m, k)
+    mp = _round_up(m, nr)
+    b = np.zeros((mp, k), np.float32)
+    b[:m] = w
+    packed = np.ascontiguousarray(b.reshape(mp // nr, nr, k).transpose(0, 2, 1)).reshape(-1)   # [M/NR][K][NR]
+    wname = _add_const(g, kern.args[-1] + "_weight_packed", packed)
+    scratch = 4 * _round_up(cols, mr) * k
+    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
+    p.update(algo="conv2d_gemmt", isa=isa, MR=mr, NR=nr, K=k, P=cols)
+    desc = f"[conv2d_gemmt {isa} {mr}x{nr} positions x channels] {kern.desc}"
+    return Kernel("conv2d_gemmt", kern.dtype, p, args, scratch, desc)
+
+
+def _select_igemm(g: ir.Graph, step: int, kern: Kernel, target) -> Kernel:
+    p = dict(kern.params)
+    isa = _isa("conv2d_igemm", target)
+    G = p["G"]
+    mg, cg = p["M"] // G, p["C"] // G
+    k = cg * p["KH"] * p["KW"]
+    hp, wp, phases, offs = _igemm_geometry(p)
+    mr, nr = pick_tile(isa, mg, p["OH"] * wp)
+    w = g.const(kern.args[1]).astype(np.float32)
+    wname = _add_const(g, kern.args[-1] + "_weight_packed", _pack_conv_weights(w, G, mr))
+    slack = _round_up(nr + (p["KW"] - 1) * p["DW"] + 16, 16)   # tiles past the last row read here
+    scratch = 4 * (len(phases) * cg * hp * wp + slack)
+    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
+    p["E"] = _epilogue(g, kern, p, mr, args)
+    sw = p["SW"]
+    ph = []
+    for py, px in phases:       # columns j of a plane row that come from the image: [lo, hi)
+        lo = min(max(0, -(-(p["PL"] - px) // sw)), wp)
+        hi = max(min(wp, -(-(p["W"] + p["PL"] - px) // sw)), lo)
+        ph.append({"py": py, "px": px, "lo": lo, "hi": hi})
+    p.update(algo="conv2d_igemm", isa=isa, MR=mr, NR=nr, K=k, MG=mg, CG=cg, MP=_round_up(mg, mr),
+             HP=hp, WP=wp, OFFS=offs, SLACK=slack, PHASES=ph)
+    desc = f"[conv2d_igemm {isa} {mr}x{nr} {len(phases)} x {hp}x{wp} planes] {kern.desc}"
+    return Kernel("conv2d_igemm", kern.dtype, p, args, scratch, desc)
+
+
+# ---- fully connected -----------------------------------------------------------------------
+
+def dense_choice(p: dict, isa: str, force: str) -> str:
+    if force == "ref":
+        return "ref"
+    if force == "dense_packed":
+        return "dense_packed"
+    mr, nr = pick_tile(isa, p["M"], p["N"])
+    macs = p["M"] * p["K"] * p["N"]
+    if macs < MIN_MACS or p["M"] < max(2, mr // 2):
+        return "ref"      # a matrix-vector product: memory bound, the reference streams it
+    return "dense_packed"
+
+
+def _select_dense(g: ir.Graph, step: int, kern: Kernel, target, force: str) -> Kernel:
+    p = dict(kern.params)
+    isa = _isa("dense_packed", target)
+    if dense_choice(p, isa, force) != "dense_packed" or g.const(kern.args[1]) is None:
+        kern.params = dict(kern.params, algo="ref")
+        kern.desc = f"[ref direct] {kern.desc}"
+        return kern
+    m, k, n = p["M"], p["K"], p["N"]
+    mr, nr = pick_tile(isa, m, n)
+    kc, mc, nc = blocking(target, mr, nr, k, m, n)
+    w = g.const(kern.args[1]).astype(np.float32)              # [K][N]
+    np_ = _round_up(n, nr)
+    b = np.zeros((k, np_), np.float32)
+    b[:, :n] = w
+    packed = np.ascontiguousarray(b.reshape(k, np_ // nr, nr).transpose(1, 0, 2)).reshape(-1)
+    wname = _add_const(g, kern.args[-1] + "_weight_packed", packed)
+    scratch = 4 * kc * _round_up(mc, mr)
+    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
+    p.update(algo="dense_packed", isa=isa, MR=mr, NR=nr, KC=kc, MC=mc, NC=nc)
+    desc = f"[dense_packed {isa} {mr}x{nr} kc {kc} mc {mc} nc {nc}] {kern.desc}"
+    return Kernel("dense_packed", kern.dtype, p, args, scratch, desc)
+
+
+def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target) -> list[Kernel | None]:
+    """Replace generic fp32 conv2d/dense kernels by faster algorithms where the cost model says so."""
+    force = _algo_env()
+    if target.name.startswith("cortex-m") and force == "auto":
+        return kernels      # microcontrollers: no data cache to block for, RAM matters more
+    out: list[Kernel | None] = []
+    for step, k in enumerate(kernels):
+        if k is not None and k.dtype == "f32" and k.family == "conv2d":
+            k = _select_conv(g, step, k, target, force)
+        elif k is not None and k.dtype == "f32" and k.family == "dense":
+            k = _select_dense(g, step, k, target, force)
+        out.append(k)
+    return out
+
+
+def describe(kernels: list[Kernel | None]) -> list[str]:
+    """One line per selected layer: '<step>: <algorithm desc>' (for `tinydeploy build`)."""
+    return [f"{i}: {k.desc}" for i, k in enumerate(kernels) if k is not None and "algo" in k.params]
