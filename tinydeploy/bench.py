@@ -32,7 +32,41 @@ def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float) -> tuple[fl
     return statistics.median(times) * 1000.0, runs
 
 
+def bench_mcu(models: list[str], board: str, as_json: bool) -> list[dict]:
+    """Microcontroller boards, under QEMU: exact instructions per inference (the figure to
+    optimise on Cortex-M), MACs per instruction, arena, flash and RAM."""
+    rows = []
+    for m in models:
+        r = flow.run(Path(m), board, quiet=as_json, emulate=True)
+        macs = _macs_of(Path(m), board)
+        ins = r["latency"]["instructions"]
+        rows.append({"model": Path(m).name, "board": board, "instructions": ins, "macs": macs,
+                     "macs_per_instruction": macs / ins if ins else None, "outputs_match": r["outputs_match"],
+                     **{k: r["memory"][k] for k in ("arena_bytes", "lower_bound_bytes", "flash_bytes", "ram_bytes",
+                                                    "flash_limit_bytes", "ram_limit_bytes")}})
+    if as_json:
+        print(json.dumps(rows))
+        return rows
+    print(f"{'model':<28} {'instructions':>13} {'MACs/instr':>10} {'arena B':>9} {'flash B':>10} {'RAM B':>9}  match")
+    for r in rows:
+        print(f"{r['model']:<28} {r['instructions']:>13,} {r['macs_per_instruction']:>10.3f} {r['arena_bytes']:>9,} "
+              f"{r['flash_bytes']:>10,} {r['ram_bytes']:>9,}  {'yes' if r['outputs_match'] else 'NO'}")
+    print(f"instructions per inference are exact under QEMU -icount ({board}; limits: flash "
+          f"{rows[0]['flash_limit_bytes']:,} B, RAM {rows[0]['ram_limit_bytes']:,} B)" if rows else "", file=sys.stderr)
+    return rows
+
+
+def _macs_of(model: Path, board: str) -> int:
+    from tinydeploy import boards
+    from tinydeploy.pipeline import compile_model
+    from tinydeploy.targets import get_target
+    return compile_model(model, get_target(boards.get_board(board)["target"]), board=board).macs
+
+
 def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False) -> list[dict]:
+    from tinydeploy import boards
+    if boards.get_board(board)["kind"] == "mcu":
+        return bench_mcu(models, board, as_json)
     rows = []
     for m in models:
         path = Path(m)

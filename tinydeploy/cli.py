@@ -54,6 +54,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax")
     p.add_argument("--format", choices=["qdq", "qoperator"], default="qdq")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("measure", help="run against a board already flashed with the model, over serial")
+    _common(p)
+    p.add_argument("--port", required=True, help="serial port or pyserial URL (socket://127.0.0.1:N for QEMU)")
+    p.add_argument("--inputs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=1, help="inferences to time (default 1)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer (default 60)")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("flash", help="flash a built firmware project to a board (PlatformIO upload)")
+    p.add_argument("builddir", nargs="?", help="the project folder `tinydeploy build` wrote")
+    p.add_argument("--board", required=True)
+    p.add_argument("--port", help="serial port of the board (default: PlatformIO finds it)")
     sub.add_parser("boards", help="list the known boards")
     sub.add_parser("ops", help="list the supported ONNX operators")
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
@@ -130,6 +142,25 @@ def _dispatch(args, command: str) -> int:
         else:
             _print_run(res)
         return 0 if res["outputs_match"] else 1
+    if args.cmd == "measure":
+        res = flow.measure(args.model, args.board, args.port, args.inputs, args.seed, shapes, args.outdir,
+                           args.force, command, quiet=args.json, runs=args.runs,
+                           timeout=args.timeout)
+        print(json.dumps(res)) if args.json else _print_run(res)
+        return 0 if res["outputs_match"] else 1
+    if args.cmd == "flash":
+        from tinydeploy import mcu, platformio
+        board = boards.get_board(args.board)
+        if board["kind"] != "mcu" or board["runner"] != "serial":
+            raise TinydeployError(f"{args.board} is not a board to flash (it runs via {board['runner']})")
+        folder = Path(args.builddir) if args.builddir else None
+        if folder is None or not (folder / "platformio.ini").is_file():
+            raise TinydeployError("give the folder `tinydeploy build --board " + args.board + "` wrote "
+                                  "(it holds platformio.ini)")
+        mcu.mcu_board(args.board)
+        platformio.pio_upload(folder, args.board, args.port)
+        print(f"flashed {folder} to {args.board}")
+        return 0
     if args.cmd == "inspect":
         from tinydeploy.inspect import inspect_model
         print(inspect_model(args.model, shapes))

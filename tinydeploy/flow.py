@@ -258,3 +258,35 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
         ms, runs = measure_runs(b.exe, [feeds[n] for n, _, _ in specs], out_specs)
         result["latency"] = {"median_ms": ms, "runs": runs}
     return result
+
+
+def measure(model, board_id: str, port: str, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
+            force: bool = False, command: str = "", quiet: bool = False, runs: int = 1, timeout: float = 60.0) -> dict:
+    """The `run` flow against a board that already runs this model's firmware, over a serial port
+    (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests)."""
+    from tinydeploy import mcu
+    from tinydeploy.protocol import Device
+    model = Path(model)
+    board = boards.get_board(board_id)
+    if board["kind"] != "mcu":
+        raise TinydeployError(f"measure talks to microcontroller boards over serial; {board_id} is not one "
+                              "(use `tinydeploy run`)")
+    b = build(model, board_id, outdir, force, input_shapes, command, quiet=quiet)
+    specs = io_specs(b.summary, "inputs")
+    feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
+    out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
+    with Device(port, timeout=timeout, baudrate=int(board.get("serial_baud", 115200))) as dev:
+        dev.wait_boot(timeout=timeout)
+        got, counts, stack_used = mcu.infer_on_device(dev, b.firmware.memory, [feeds[n] for n, _, _ in specs],
+                                                      out_specs, runs=runs)
+    want = reference.run_onnxruntime(reference_model_bytes(model), feeds)
+    cmp = reference.compare_outputs(got, want, FP32_RTOL, b.summary.get("output_lsb"))
+    lat = {"runs": counts.runs, "median_ms": counts.ticks_per_run / counts.tick_hz * 1000.0}
+    if counts.count_unit == "instructions":
+        lat["instructions"] = counts.count_min
+    fwm = b.summary["firmware"]
+    return {"model": model.name, "board": board_id, "port": port, **cmp, "latency": lat,
+            "memory": {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
+                       "weights_bytes": b.summary["weights_bytes"], "flash_bytes": fwm["flash_used_bytes"],
+                       "ram_bytes": fwm["ram_used_bytes"], "flash_limit_bytes": fwm["flash_bytes"],
+                       "ram_limit_bytes": fwm["ram_bytes"], "stack_used_bytes": stack_used}}

@@ -298,24 +298,39 @@ def instructions_per_tick(machine: dict, tick_hz: int) -> Fraction:
     return Fraction(10 ** 9, tick_hz * 2 ** shift)
 
 
+def infer_on_device(dev, memory: dict, inputs: list[np.ndarray], out_specs, runs: int = 1, warmup: int = 0,
+                    timeout: float = 600.0) -> tuple[list[np.ndarray], object, int]:
+    """Loads inputs into a device that speaks the protocol (QEMU or a real board), infers, and
+    reads the raw outputs back; returns (outputs, protocol.Counts, stack high-water mark)."""
+    data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs)
+    if len(data) != memory["input_buffer_bytes"]:
+        raise TinydeployError(f"the inputs hold {len(data):,} bytes but the model takes {memory['input_buffer_bytes']:,}")
+    dev.load(data)
+    dev.infer(runs, warmup, timeout=timeout)
+    raw = dev.outputs()
+    counts = dev.last_counts
+    stack_used, _ = dev.stack()
+    outs, pos = [], 0
+    for shape, dt in out_specs:
+        dt = np.dtype(dt)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if pos + n > len(raw):
+            raise TinydeployError(f"the firmware returned {len(raw)} output bytes; expected at least {pos + n}")
+        outs.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(shape).copy())
+        pos += n
+    return outs, counts, stack_used
+
+
 def run_firmware(fw: Firmware, inputs: list[np.ndarray], out_specs, runs: int = 1, warmup: int = 0,
                  timeout: float = 600.0) -> tuple[list[np.ndarray], int, dict]:
     """Runs a built firmware under QEMU on `inputs`; returns (outputs, instructions per inference,
     details)."""
     from tinydeploy.emulator import Emulator
-    data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs)
-    facts_in = fw.memory["input_buffer_bytes"]
-    if len(data) != facts_in:
-        raise TinydeployError(f"the inputs hold {len(data):,} bytes but the model takes {facts_in:,}")
     with Emulator(fw.elf, fw.machine) as emu:
         dev = emu.device(timeout=timeout)
         try:
             dev.wait_boot(timeout=60)
-            dev.load(data)
-            dev.infer(runs, warmup, timeout=timeout)
-            raw = dev.outputs()
-            counts = dev.last_counts
-            stack_used, _ = dev.stack()
+            outs, counts, stack_used = infer_on_device(dev, fw.memory, inputs, out_specs, runs, warmup, timeout)
             dev.quit()
         except TinydeployError as e:
             qemu = emu.output().strip()
@@ -333,14 +348,6 @@ def run_firmware(fw: Firmware, inputs: list[np.ndarray], out_specs, runs: int = 
         instructions = counts.count_min
     else:
         instructions = int(round(counts.ticks_total / counts.runs * instructions_per_tick(fw.machine, counts.tick_hz)))
-    outs, pos = [], 0
-    for shape, dt in out_specs:
-        dt = np.dtype(dt)
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if pos + n > len(raw):
-            raise TinydeployError(f"the firmware returned {len(raw)} output bytes; expected at least {pos + n}")
-        outs.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(shape).copy())
-        pos += n
     details = {"ticks_per_inference": counts.ticks_per_run, "tick_hz": counts.tick_hz, "runs": counts.runs,
                "stack_used_bytes": stack_used, "log": dev.log}
     return outs, instructions, details
