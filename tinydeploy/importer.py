@@ -331,6 +331,10 @@ def _drop_padding_only_ceil_windows(model: onnx.ModelProto) -> None:
 def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[ir.Graph, onnx.ModelProto]:
     """Load `path` and return (typed graph, the normalised ONNX model it was made from)."""
     model = load_model(path)
+    # QOperator models (QLinearConv, com.microsoft QLinearAdd, ...) become QDQ graphs first:
+    # the checker and shape inference know the standard operators they turn into.
+    from tinydeploy.qoperator import rewrite_qoperator
+    rewrite_qoperator(model)
     try:
         onnx.checker.check_model(model)
     except Exception as e:

@@ -1,4 +1,6 @@
-"""`tinydeploy inspect`: what is in a model, as imported (before any rewrite)."""
+"""`tinydeploy inspect`: what is in a model, as imported, after the QDQ pass (tinydeploy/quant.py):
+8-bit models list the integer operators their Q -> op -> DQ islands become, and only what is
+really unsupported is marked so. Other rewrites (passes.PASSES) are not applied."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,10 +8,12 @@ import numpy as np
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.importer import import_model
 from tinydeploy.ops import REGISTRY, unsupported_nodes
+from tinydeploy.quant import quantize_qdq
 
 
 def inspect_model(path, input_shapes=None) -> str:
     g, _ = import_model(path, input_shapes)
+    quantize_qdq(g)   # a no-op for float models
     bad = {id(n): why for n, why in unsupported_nodes(g)}
     rows = [("#", "op", "name", "output shape", "MACs", "params", "status")]
     total_macs = total_params = 0

@@ -13,12 +13,17 @@ whose requantisation constants are computed here, at build time:
   data movement    DQ(x) -> Reshape/Transpose/Slice/Concat/... -> Q with equal scale and zero
                    point: the op itself runs on the integers (a copy or a view)
   QRequantize      DQ(x) [-> Relu/Clip] -> Q: a change of scale / zero point / type, clamped
+  QSoftmax         DQ(x) -> Softmax -> Q (same 8-bit type): onnxruntime's QLinearSoftmax method
+
+QOperator models (QLinearConv, com.microsoft QLinearAdd, ...) reach this pass in QDQ form
+(tinydeploy/qoperator.py rewrites them on import). Refused with a reason (`scheme_problem`):
+4-bit, float8 and 16-bit Q/DQ, blocked quantisation, run-time scales, MatMulInteger/ConvInteger.
 
 Relu / Clip between the op and its Q become the output clamp range (Q is monotone, so
 Q(clip(v, a, b)) = clamp(Q(v), Q(a), Q(b))). Whatever does not match stays float: a remaining
 DQ of a runtime tensor becomes a `DequantizeLinear` kernel, a remaining Q a `QuantizeLinear`
-kernel, and the float operators between them run as usual (a "float island", e.g. the Softmax
-at the end of the MLPerf Tiny models); graph.notes says so. A DQ of a constant that a float
+kernel, and the float operators between them run as usual (a "float island", e.g. a Sigmoid or a
+Softmax between different 8-bit types); graph.notes says so. A DQ of a constant that a float
 operator still uses is folded into a float32 constant.
 
 Integer arithmetic (see `requantize` for the exact rule the C kernels follow):
@@ -29,29 +34,37 @@ Integer arithmetic (see `requantize` for the exact rule the C kernels follow):
   round = round half to even, the rounding of ONNX QuantizeLinear (nearbyint), i.e. the exact
           value of acc * r rounded, ties to even.
 r is computed in float32 as (s_x * s_w) / s_y, the float32 value a float implementation of the
-requantisation would use; M then holds it exactly. What remains between these kernels and
-onnxruntime is onnxruntime's own float32 rounding (of acc * r in its QLinear kernels, of the
-whole convolution in its float emulation DQ -> float Conv -> Q, used where it does not fuse):
-it can move a value lying within ~1e-6 of a .5 boundary, or exactly on one, by one LSB.
+requantisation would use; M then holds it exactly. QConv and QDense do not round the exact
+acc * r, though: they compute what onnxruntime's QLinearConv / QGemm / QLinearMatMul compute
+(float32(acc) * r in float32, rounded half to even; `requant_f32` in
+firmware_templates/kernels/_requant.j2, r rebuilt exactly from M and S), because the float32
+rounding of the product moves values within ~1e-7 relative of k + 1/2 (e.g. 197.4999930 ->
+197.5 -> 198), about 1 element in 10^4, and in a deep network such a flip spreads. (On the
+Cortex-M4F this epilogue is also cheaper: KWS int8 18.0 M instead of 19.6 M instructions.) Likewise average pooling follows
+QLinearAveragePool / QLinearGlobalAveragePool (float32 sums; ops/quantized.avg_float_params) and
+Softmax QLinearSoftmax (a float32 table; `softmax_table`), so exact .5 ties agree too. QAdd and
+QRequantize still round the exact value (half to even).
 
-Measured against onnxruntime 1.31 (CPU, default optimisations; it runs these models partly as
-QLinearConv / QLinearAdd / QGemm and partly as float emulation DQ -> float op -> Q):
-  * single layers (tests/test_quantized.py, 5 random inputs each): Conv in 12 geometries x
-    int8/uint8 (extreme zero points, saturation, per-channel scales 1000x apart, weight zero
-    points, 1e-9 scales) identical except one dilated int8 case (0.35% of elements, 1 LSB);
-    Dense, Add, pools, data movement and float islands identical, except at exact .5 ties:
-  * exact ties: average pooling with a power-of-two window and Add with "round" scale ratios
-    produce values exactly halfway between two integers. Here they are rounded half to even;
-    onnxruntime's float arithmetic (products (q - zp) * scale rounded to float32, summed)
-    lands a little above or below the half, so about half of those ties differ by 1 LSB (tested:
-    no other element differs).
-  * MLPerf Tiny int8 models, 30 random inputs each: AD, KWS, VWW identical on every input;
-    IC (ResNet-8) identical on 25 of 30, on the other 5 one or two of the 10 softmax outputs
-    differ by 1-4 LSB. Traced layer by layer: a single 1-LSB flip where onnxruntime runs a Conv
-    in float32, or an exact tie in the 8x8 average pool, moves one logit by one LSB (0.17) and
-    the final softmax (output LSB 1/256) amplifies that. onnxruntime disagrees with itself the
-    same way: its ENABLE_ALL and DISABLE_ALL optimisation levels differ on 1 of 30 inputs for IC
-    (1 LSB) and for KWS (6 LSB).
+What remains: onnxruntime on x86 does not fuse int8-activation (S8S8) Conv / MatMul groups
+(its QDQIsInt8Allowed() is false off ARM) and runs DQ -> float32 Conv -> Q; its float32
+convolution moves values within ~1e-5 of k + 1/2 by one LSB (measured: 2 of 16384 outputs of
+the first IC int8 conv, at 29.4999994 and 78.5000164), and QLinearAdd computes in float32.
+
+Measured against onnxruntime 1.31 (CPU, x86, default optimisations):
+  * single layers (tests/test_quantized.py): Conv in 16 geometries x int8/uint8 (extreme zero
+    points, saturation, per-channel scales 1000x apart, weight zero points, 1e-9 scales), Dense,
+    pools, data movement, Softmax: identical (uint8 Conv: all 16 cases, 5 inputs each), except
+    int8 Conv, which onnxruntime runs in float32 (2 of 16 cases, <= 0.5% of elements, 1 LSB),
+    and QAdd at exact .5 ties.
+  * uint8 models made by `tinydeploy quantize` (tests/test_uint8_models.py), QDQ and QOperator
+    form: MLPerf Tiny IC, KWS, VWW, AD (10 inputs each) and ResNet-18 (3 inputs): identical.
+  * MLPerf Tiny int8 models, 30 random inputs each: AD, KWS, VWW identical on every input; IC
+    (ResNet-8) identical on 25 of 30, on the other 5 one of the 10 softmax outputs differs by
+    1 LSB. Traced layer by layer, every divergence starts at a Conv that onnxruntime runs in
+    float32 (int8 activations are not fused on x86), on an element within ~1e-5 of k + 1/2;
+    the flip spreads through the residual blocks and moves a logit. Before QConv / QDense
+    followed onnxruntime's float32 requantisation and QSoftmax its table, the same 5 inputs
+    differed by 1-4 LSB.
 """
 from __future__ import annotations
 
@@ -212,12 +225,48 @@ def dequantize_const(info: QInfo, shape) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 # The pass
 
+# --------------------------------------------------------------------------------------------
+# Quantisation schemes tinydeploy refuses (reported by ops.unsupported_nodes with the node name)
+
+def scheme_problem(node: ir.Node, g: ir.Graph) -> str | None:
+    """Why the quantisation scheme of Q/DQ (and dynamic-quantisation) node `node` is not
+    supported, or None. The QDQ pass leaves such nodes alone, so they reach the support check."""
+    if node.op in ("MatMulInteger", "ConvInteger"):
+        return ("dynamic quantisation (an int32 accumulator whose scale is only known at run time) is not "
+                "supported; quantise statically instead (tinydeploy quantize)")
+    if node.op not in ("QuantizeLinear", "DequantizeLinear"):
+        return None
+    ints = [node.inputs[0] if node.op == "DequantizeLinear" else node.outputs[0]]
+    if len(node.inputs) > 2 and node.inputs[2]:
+        ints.append(node.inputs[2])
+    for name in ints:
+        t = g.tensors.get(name)
+        if t is None:
+            continue
+        dt = np.dtype(t.dtype)
+        if dt.name in ("int4", "uint4", "int2", "uint2"):
+            return f"{dt.name[-1]}-bit ({dt.name}) quantisation is not supported (only 8-bit int8/uint8)"
+        if dt.name.startswith("float8") or dt.name.startswith("float4"):
+            return f"{dt.name} quantisation is not supported (only 8-bit integers int8/uint8)"
+        if dt.kind in "iu" and dt.itemsize == 2:
+            what = "activations" if not t.is_const else "weights"
+            return f"16-bit ({dt.name}) {what} are not supported (only int8/uint8, and int32 biases)"
+    if int(node.attrs.get("block_size", 0) or 0):
+        return (f"blocked quantisation (block_size={node.attrs['block_size']}) is not supported "
+                "(only per-tensor and per-channel scales)")
+    for k, what in ((1, "scale"), (2, "zero point")):
+        if len(node.inputs) > k and node.inputs[k] and g.const(node.inputs[k]) is None:
+            return (f"{what} {node.inputs[k]!r} is not a constant (quantisation parameters must be known "
+                    "at build time)")
+    return None
+
+
 class _Ctx:
     def __init__(self, g: ir.Graph):
         self.g = g
         self.deq: dict[str, QInfo] = {}
         for n in g.nodes:
-            if n.op == "DequantizeLinear":
+            if n.op == "DequantizeLinear" and scheme_problem(n, g) is None:
                 info = dq_info(g, n)
                 if info is not None:
                     self.deq[n.outputs[0]] = info
@@ -462,7 +511,7 @@ def _match_pool(ctx: _Ctx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node |
     if p.op in ("MaxPool", "AveragePool") and p.attrs.get("storage_order", 0):
         return None
     r = float(np.float32(x.s) / np.float32(yq.s))
-    q = {"zx": x.z, "zy": yq.z, "lo": lo, "hi": hi, "r": r}
+    q = {"zx": x.z, "zy": yq.z, "lo": lo, "hi": hi, "r": r, "xs": float(x.s), "ys": float(yq.s)}
     if p.op in ("AveragePool", "GlobalAveragePool"):
         xs = g.t(p.inputs[0]).shape
         window = int(np.prod(p.attrs["kernel_shape"])) if p.op == "AveragePool" else int(np.prod(xs[2:]))
@@ -475,6 +524,42 @@ def _match_pool(ctx: _Ctx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node |
     attrs = {k: v for k, v in p.attrs.items() if not k.startswith("_")}
     attrs["_q"] = q
     return ir.Node("Q" + p.op, p.name, [x.src], [yq.src], attrs, onnx_op=p.onnx_op)
+
+
+def softmax_table(x_scale: float, n: int) -> list[float]:
+    """The float32 exponential table and output multiplier of onnxruntime's QLinearSoftmax
+    (contrib_ops/cpu/quantization/qlinear_softmax.cc), which it also runs for DQ -> Softmax -> Q:
+    table[i] = float(exp((i - 255 + b) * s_x)) in double, b = max(0, ln(FLT_MAX / n) - 5) / s_x (a
+    shift that keeps the sum of n entries finite); output = nearbyint(table[x - max + 255] * Y / sum)
+    + zp with Y = floor(1 / s_y) in float32. Note Y: for s_y = 1/255 (float32 slightly above
+    1/255) Y is 254, not 255, so onnxruntime's results are up to 1 LSB below a float Softmax."""
+    xs = float(np.float32(x_scale))
+    b = max(0.0, math.log(float(np.finfo(np.float32).max) / n) - 5.0) / xs
+    table = [float(np.float32(math.exp((i - 255 + b) * xs))) for i in range(256)]
+    return table
+
+
+def _match_softmax(ctx: _Ctx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | None:
+    """DQ -> Softmax -> Q, as onnxruntime executes it (its QLinearSoftmax, see softmax_table), so
+    the two agree bit for bit; a float Softmax differs from it by 1 LSB on many elements."""
+    g = ctx.g
+    x = ctx.runtime(p.inputs[0])
+    if x is None or x.dtype != yq.dtype or not math.isfinite(float(x.s)) or not (float(x.s) > 0):
+        return None
+    shape = g.t(p.inputs[0]).shape
+    if not shape:
+        return None
+    ax = int(p.attrs.get("axis", -1))
+    ax = ax + len(shape) if ax < 0 else ax
+    if not 0 <= ax < len(shape) or shape[ax] < 1:
+        return None
+    table = softmax_table(float(x.s), int(shape[ax]))
+    inv = np.float32(np.float32(1.0) / np.float32(yq.s))
+    if not np.isfinite(inv):
+        return None
+    y_mult = float(np.float32(math.floor(inv)))
+    attrs = {"axis": ax, "_q": {"table": table, "y": y_mult, "zy": yq.z, "lo": lo, "hi": hi}}
+    return ir.Node("QSoftmax", p.name, [x.src], [yq.src], attrs, onnx_op=p.onnx_op)
 
 
 def _match_move(ctx: _Ctx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | None:
@@ -553,6 +638,8 @@ def quantize_qdq(g: ir.Graph) -> None:
             new = _match_pool(ctx, p, yq, lo, hi)
         elif p.op in MOVES:
             new = _match_move(ctx, p, yq, lo, hi)
+        elif p.op == "Softmax":
+            new = _match_softmax(ctx, p, yq, lo, hi)
         if new is None:
             continue
         if chain:

@@ -92,10 +92,18 @@ def compare_lsb(got: list[np.ndarray], want: list[np.ndarray]) -> dict:
             "max_abs_error": float(max_abs), "max_rel_error": max_rel, "identical_fraction": frac}
 
 
-def compare_outputs(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
+def compare_outputs(got: list[np.ndarray], want: list[np.ndarray], rtol: float, lsb_scales=None) -> dict:
     """`compare` (relative, `tolerance` = rtol) when every output is floating point, unchanged;
     with integer outputs, those are compared by `compare_lsb` (`tolerance` = 1 with
-    `tolerance_unit` "LSB") and any float outputs by `compare`, reported as float_*."""
+    `tolerance_unit` "LSB") and any float outputs by `compare`, reported as float_*.
+    `lsb_scales[i]`, when given, says float output i is a dequantised 8-bit tensor of that
+    scale (a QDQ model's DequantizeLinear output): it is then compared in LSBs, as integers."""
+    got, want = list(got), list(want)
+    for i, s in enumerate(lsb_scales or []):
+        if s and i < len(want) and np.asarray(want[i]).dtype.kind == "f" and np.shape(got[i]) == np.shape(want[i]):
+            with np.errstate(invalid="ignore", over="ignore"):
+                got[i] = np.rint(np.asarray(got[i], np.float64) / s).astype(np.int64)
+                want[i] = np.rint(np.asarray(want[i], np.float64) / s).astype(np.int64)
     is_int = [np.asarray(b).dtype.kind in "iub" for b in want]
     if not any(is_int):
         return {**compare(got, want, rtol), "tolerance": rtol}

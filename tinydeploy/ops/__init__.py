@@ -67,8 +67,13 @@ def float_only(node: ir.Node, g: ir.Graph, which=None) -> str | None:
 
 
 def unsupported_nodes(g: ir.Graph) -> list[tuple[ir.Node, str]]:
+    from tinydeploy.quant import scheme_problem
     out = []
     for n in g.nodes:
+        why = scheme_problem(n, g)   # 4-bit, float8, 16-bit, blocked, run-time scales
+        if why:
+            out.append((n, why))
+            continue
         d = REGISTRY.get(n.op)
         if d is None:
             out.append((n, "no kernel"))

@@ -125,6 +125,23 @@ def _pool_check(node, g):
     return None
 
 
+def avg_float_params(q: dict, x_dtype, window: int) -> dict:
+    """Average pooling the way onnxruntime's QLinearAveragePool / QLinearGlobalAveragePool compute
+    it (which it also runs for DQ -> AveragePool -> Q), so that both agree bit for bit, including
+    at exact .5 ties:
+      window:  y = nearbyint(fl(fl(sum of DQ[x] in window order) / count) / s_y + zy), DQ[x] =
+               fl(s_x * (x - zx)), a 256-entry table (a table so that no compiler contracts
+               the products into the sum);
+      global:  y = nearbyint(fl(float(sum x - n zx) * R)) + zy, R = fl(s_x / fl(s_y * n)).
+    All float32, round half to even."""
+    xs, ys = np.float32(q["xs"]), np.float32(q["ys"])
+    info = np.iinfo(x_dtype)
+    vals = [i if info.min == 0 or i < 128 else i - 256 for i in range(256)]
+    dq = [c_float(np.float32(xs * np.float32(v - q["zx"]))) for v in vals]
+    r = np.float32(xs / np.float32(ys * np.float32(window)))
+    return {"DQ": dq, "YS": c_float(ys), "R": c_float(r), "WINDOW": window}
+
+
 def _qpool(node: ir.Node, g: ir.Graph) -> Kernel:
     p = pool_geometry(node, g)
     q = node.attrs["_q"]
@@ -132,7 +149,11 @@ def _qpool(node: ir.Node, g: ir.Graph) -> Kernel:
     p.update(_types(g, node), mode=mode, ZX=q["zx"], ZY=q["zy"], LO=q["lo"], HI=q["hi"],
              include_pad=bool(node.attrs.get("count_include_pad", 0)))
     if mode == "avg":
-        p["table"] = q["table"]
+        p.update(avg_float_params(q, g.t(node.inputs[0]).dtype, p["KH"] * p["KW"]))
+        # A window covering the whole (unpadded) input: onnxruntime's QLinearAveragePool then
+        # computes a global average pool (integer sum, one float32 multiply).
+        p["as_global"] = (p["KH"], p["KW"]) == (p["H"], p["W"]) and not any(
+            (p["PT"], p["PL"], p["PB"], p["PR"]))
     else:
         p.update(M=q["m"], S=q["s"], identity=q["identity"], QMIN=int(np.iinfo(g.t(node.inputs[0]).dtype).min))
     desc = (f"{mode} {p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']}: "
@@ -160,12 +181,27 @@ def _qglobal(node: ir.Node, g: ir.Graph) -> Kernel:
         m, s = q["m"], q["s"]
     p = dict(_types(g, node), NC=nc, HW=hw, mode=mode, M=m, S=s, ZX=q["zx"], ZY=q["zy"], LO=q["lo"], HI=q["hi"],
              QMIN=int(np.iinfo(x.dtype).min))
+    if mode == "avg":
+        p.update(avg_float_params(q, x.dtype, hw))
     return Kernel("qglobal_pool", dtype_tag(x.dtype), p, [node.inputs[0], node.outputs[0]],
                   desc=f"{mode} of {nc} channels of {hw}")
 
 
 register("QGlobalAveragePool", check=_pool_check, macs=lambda n, g: g.t(n.inputs[0]).size)(_qglobal)
 register("QGlobalMaxPool", check=_pool_check)(_qglobal)
+
+
+@register("QSoftmax", check=_qcheck)
+def emit_qsoftmax(node: ir.Node, g: ir.Graph) -> Kernel:
+    """Softmax on 8-bit integers by onnxruntime's QLinearSoftmax method (quant.softmax_table)."""
+    x = g.t(node.inputs[0])
+    ax = node.attrs["axis"]
+    q = node.attrs["_q"]
+    p = dict(_types(g, node), outer=int(np.prod(x.shape[:ax], dtype=np.int64)), n=int(x.shape[ax]),
+             inner=int(np.prod(x.shape[ax + 1:], dtype=np.int64)), table=[c_float(v) for v in q["table"]],
+             Y=c_float(q["y"]), ZY=q["zy"], LO=q["lo"], HI=q["hi"])
+    return Kernel("qsoftmax", dtype_tag(x.dtype), p, [node.inputs[0], node.outputs[0]],
+                  desc=f"over axis {ax} of {list(x.shape)}")
 
 
 @register("QRequantize", check=_qcheck, inplace=True)
