@@ -162,13 +162,10 @@ def project_files(files: dict[str, str], board_id: str, emulate: bool = False, d
 
 def write_project(outdir, files: dict[str, str], board_id: str, emulate: bool = False, force: bool = False,
                   **kw) -> Path:
+    from tinydeploy.build import prepare_outdir
     outdir = Path(outdir)
     marker = outdir / MARKER
-    if outdir.exists() and not outdir.is_dir():
-        raise TinydeployError(f"output path {printable(str(outdir))!r} exists and is not a folder")
-    if outdir.is_dir() and any(outdir.iterdir()) and not marker.is_file() and not force:
-        raise TinydeployError(f"output folder {printable(str(outdir))!r} is not empty and was not made by "
-                              "tinydeploy; choose another folder or pass --force to write into it")
+    prepare_outdir(outdir, force)
     proj = project_files(files, board_id, emulate, **kw)
     for rel, text in proj.items():
         p = outdir / rel

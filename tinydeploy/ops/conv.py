@@ -4,35 +4,17 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy import ir
-from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+from tinydeploy.ops import Kernel, dtype_tag, float_only, register, window_2d
 
 
 def conv_geometry(node: ir.Node, g: ir.Graph) -> dict:
     """Everything about a Conv as 2-D NCHW numbers (1-D convs get H = 1)."""
-    x, w, y = g.t(node.inputs[0]), g.t(node.inputs[1]), g.t(node.outputs[0])
-    rank = len(x.shape) - 2
-    xs, ws, ys = list(x.shape), list(w.shape), list(y.shape)
-    a = node.attrs
-    k = list(a.get("kernel_shape", ws[2:]))
-    s = list(a.get("strides", [1] * rank))
-    d = list(a.get("dilations", [1] * rank))
-    pads = list(a.get("pads", [0] * (2 * rank)))
-    auto = a.get("auto_pad", "NOTSET")
-    if auto in ("SAME_UPPER", "SAME_LOWER"):
-        pads = [0] * (2 * rank)
-        for i in range(rank):
-            total = max(0, (ys[2 + i] - 1) * s[i] + (k[i] - 1) * d[i] + 1 - xs[2 + i])
-            small, big = total // 2, total - total // 2
-            pads[i], pads[i + rank] = (small, big) if auto == "SAME_UPPER" else (big, small)
-    elif auto == "VALID":
-        pads = [0] * (2 * rank)
-    if rank == 1:
-        xs.insert(2, 1), ys.insert(2, 1)
-        k, s, d = [1] + k, [1] + s, [1] + d
-        pads = [0, pads[0], 0, pads[1]]
+    w = g.t(node.inputs[1])
+    p = window_2d(node, g, node.attrs.get("kernel_shape", list(w.shape[2:])))
+    xs, ys = p.pop("xs"), p.pop("ys")
+    p.pop("PB"), p.pop("PR")
     return {"N": xs[0], "C": xs[1], "H": xs[2], "W": xs[3], "M": ys[1], "OH": ys[2], "OW": ys[3],
-            "KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "DH": d[0], "DW": d[1],
-            "PT": pads[0], "PL": pads[1], "G": int(a.get("group", 1))}
+            **p, "G": int(node.attrs.get("group", 1))}
 
 
 def _check(node, g):

@@ -2,32 +2,13 @@
 from __future__ import annotations
 
 from tinydeploy import ir
-from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+from tinydeploy.ops import Kernel, dtype_tag, float_only, register, window_2d
 
 
 def _geometry(node: ir.Node, g: ir.Graph) -> dict:
-    x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
-    rank = len(x.shape) - 2
-    a = node.attrs
-    k = list(a["kernel_shape"])
-    s = list(a.get("strides", [1] * rank))
-    d = list(a.get("dilations", [1] * rank))
-    pads = list(a.get("pads", [0] * (2 * rank)))
-    xs, ys = list(x.shape), list(y.shape)
-    auto = a.get("auto_pad", "NOTSET")
-    if auto in ("SAME_UPPER", "SAME_LOWER"):
-        for i in range(rank):
-            total = max(0, (ys[2 + i] - 1) * s[i] + (k[i] - 1) * d[i] + 1 - xs[2 + i])
-            small, big = total // 2, total - total // 2
-            pads[i], pads[i + rank] = (small, big) if auto == "SAME_UPPER" else (big, small)
-    elif auto == "VALID":
-        pads = [0] * (2 * rank)
-    if rank == 1:
-        xs.insert(2, 1), ys.insert(2, 1)
-        k, s, d, pads = [1] + k, [1] + s, [1] + d, [0, pads[0], 0, pads[1]]
-    return {"NC": xs[0] * xs[1], "H": xs[2], "W": xs[3], "OH": ys[2], "OW": ys[3],
-            "KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "DH": d[0], "DW": d[1],
-            "PT": pads[0], "PL": pads[1], "PB": pads[2], "PR": pads[3]}
+    p = window_2d(node, g, node.attrs["kernel_shape"])
+    xs, ys = p.pop("xs"), p.pop("ys")
+    return {"NC": xs[0] * xs[1], "H": xs[2], "W": xs[3], "OH": ys[2], "OW": ys[3], **p}
 
 
 def _check(node, g):
