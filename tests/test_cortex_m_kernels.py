@@ -1,0 +1,203 @@
+"""Cortex-M4 DSP kernel variants (firmware_templates/kernels/*_cortex-m4-dsp.c.j2) against the
+portable reference kernels, on the emulated Cortex-M4 (mps2-an386, QEMU).
+
+Each single-layer int8 QDQ model is built twice for the same board: with the DSP variants (the
+target's default) and with the reference kernels (the variant lookup told to skip the ISA). Both
+firmwares run the same inputs; their outputs must be identical (the variants promise the
+reference's int32 accumulators and requantisation exactly) and also agree with onnxruntime as the
+reference does (<= 1 LSB, see tinydeploy/quant.py). The DSP build must also run fewer
+instructions, and its generated C must actually use the variant (no silent fallback)."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tinydeploy import flow, mcu, reference
+from tinydeploy.codegen import kernels as kreg
+
+ISA = "cortex-m4-dsp"
+BOARD = "mps2-an386"
+
+pytestmark = pytest.mark.skipif(shutil.which("arm-none-eabi-gcc") is None or shutil.which("qemu-system-arm") is None,
+                                reason="needs arm-none-eabi-gcc and qemu-system-arm")
+
+
+def _conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, dil=(1, 1), xz=-128, yz=0, act=None,
+                w_zp=0, seed=0, xs=0.05, ys=0.08):
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def const(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    cin = C // group
+    wq = rng.integers(-128, 128, (M, cin, *k)).astype(np.int8)
+    if w_zp:
+        wscale = np.float32(4e-3)
+        const("w_s", wscale), const("w_z", np.int8(w_zp))
+        bscale = np.float32(np.float32(xs) * wscale)
+        nodes.append(helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w"]))
+    else:
+        wscale = (np.geomspace(1.0, 8.0, M) * 1e-3).astype(np.float32)
+        const("w_s", wscale), const("w_z", np.zeros(M, np.int8))
+        bscale = (np.float32(xs) * wscale).astype(np.float32)
+        nodes.append(helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w"], axis=0))
+    const("w_q", wq)
+    const("b_q", rng.integers(-3000, 3000, M).astype(np.int32))
+    const("b_s", np.broadcast_to(bscale, (M,)).astype(np.float32))
+    const("b_z", np.zeros(M, np.int32))
+    nodes.append(helper.make_node("DequantizeLinear", ["b_q", "b_s", "b_z"], ["b"], axis=0))
+    const("x_s", np.float32(xs)), const("x_z", np.int8(xz))
+    nodes.append(helper.make_node("DequantizeLinear", ["x", "x_s", "x_z"], ["xf"]))
+    nodes.append(helper.make_node("Conv", ["xf", "w", "b"], ["c"], kernel_shape=list(k), strides=list(s),
+                                  pads=list(pads), group=group, dilations=list(dil)))
+    last = "c"
+    if act == "relu":
+        nodes.append(helper.make_node("Relu", ["c"], ["r"]))
+        last = "r"
+    const("y_s", np.float32(ys)), const("y_z", np.int8(yz))
+    nodes.append(helper.make_node("QuantizeLinear", [last, "y_s", "y_z"], ["y"]))
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.INT8, [1, C, H, W])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    m.ir_version = 9
+    m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    return m
+
+
+def _run(path, outdir, seeds):
+    b = flow.build(path, BOARD, outdir, force=True, quiet=True)
+    specs = flow.io_specs(b.summary, "inputs")
+    out_specs = [(shape, dt) for _, shape, dt in flow.io_specs(b.summary, "outputs")]
+    outs, instr = [], None
+    for seed in seeds:
+        feeds = reference.random_inputs(specs, seed)
+        got, n, _ = mcu.run_firmware(b.firmware, [feeds[name] for name, _, _ in specs], out_specs)
+        outs.append((feeds, got))
+        instr = n
+    source = (outdir / "src" / "td_kernels.c").read_text()
+    return outs, instr, source
+
+
+def _without_isa(monkeypatch):
+    real = kreg.resolve
+    monkeypatch.setattr(kreg, "resolve", lambda family, dtype, isas: real(family, dtype, [i for i in isas if i != ISA]))
+
+
+# name: (conv arguments, whether the DSP variant must be used)
+CASES = {
+    # pointwise GEMM path
+    "pw-64x64-odd-pixels": (dict(C=64, M=64, H=7, W=5, k=(1, 1), act="relu"), True),
+    "pw-odd-channels-zp-max": (dict(C=7, M=17, H=5, W=9, k=(1, 1), xz=127, yz=-128), True),
+    "pw-c3-m18": (dict(C=3, M=18, H=4, W=4, k=(1, 1), xz=0, yz=127), True),
+    "pw-stride2": (dict(C=16, M=18, H=9, W=9, k=(1, 1), s=(2, 2), xz=-5), True),
+    # im2col GEMM path
+    "3x3-pad1-zp-in-loop": (dict(C=5, M=16, H=11, W=7, k=(3, 3), pads=(1, 1, 1, 1), xz=-128, act="relu"), True),
+    "3x3-s2-asym-pad": (dict(C=16, M=19, H=10, W=10, k=(3, 3), s=(2, 2), pads=(0, 1, 1, 0), xz=100), True),
+    "5x4-s2-c1": (dict(C=1, M=20, H=13, W=10, k=(5, 4), s=(2, 2), pads=(2, 1, 2, 1), xz=83, yz=-128), True),
+    "3x3-dil2": (dict(C=6, M=16, H=9, W=8, k=(3, 3), pads=(2, 2, 2, 2), dil=(2, 2), xz=-128), True),
+    "3x3-c64-tiled": (dict(C=64, M=16, H=5, W=5, k=(3, 3), pads=(1, 1, 1, 1), xz=-128, ys=0.5), True),
+    "3x3-c65-chunked-row-form": (dict(C=65, M=6, H=4, W=5, k=(3, 3), pads=(1, 1, 1, 1), xz=-128, ys=0.5), True),
+    "3x3-valid-folded-zp": (dict(C=9, M=20, H=6, W=7, k=(3, 3), xz=-77), True),
+    # depthwise
+    "dw-3x3-pad1": (dict(C=7, M=7, H=9, W=6, k=(3, 3), pads=(1, 1, 1, 1), group=7, xz=-128, act="relu"), True),
+    "dw-3x3-s2": (dict(C=16, M=16, H=12, W=11, k=(3, 3), s=(2, 2), pads=(0, 0, 1, 1), group=16, xz=-128), True),
+    "dw-3x3-valid-zp": (dict(C=5, M=5, H=7, W=8, k=(3, 3), group=5, xz=37, yz=-100), True),
+    "dw-5x5-zp-max": (dict(C=3, M=3, H=8, W=9, k=(5, 5), pads=(2, 2, 2, 2), group=3, xz=127), False),
+    "dw-3x3-tiny": (dict(C=4, M=4, H=2, W=3, k=(3, 3), pads=(1, 1, 1, 1), group=4, xz=-128), True),
+    "dw-3x3-zx0-padded": (dict(C=3, M=3, H=6, W=7, k=(3, 3), pads=(1, 1, 1, 1), group=3, xz=0), True),
+    "dw-3x3-large-plane": (dict(C=2, M=2, H=66, W=65, k=(3, 3), pads=(1, 1, 1, 1), group=2, xz=-128), True),
+    "dw-3x3-large-plane-s2": (dict(C=2, M=2, H=67, W=66, k=(3, 3), s=(2, 2), pads=(0, 0, 1, 1), group=2, xz=5), True),
+    # not specialised: must fall back to the reference and still match
+    "row-form-m8": (dict(C=3, M=8, H=6, W=6, k=(3, 3), pads=(1, 1, 1, 1), xz=-128), True),
+    "row-form-m6-s2": (dict(C=4, M=6, H=9, W=7, k=(3, 3), s=(2, 2), pads=(1, 1, 1, 1), xz=-128), True),
+    "grouped-conv": (dict(C=8, M=8, H=5, W=5, k=(3, 3), pads=(1, 1, 1, 1), group=2, xz=-128), False),
+    "weight-zero-point": (dict(C=8, M=16, H=4, W=4, k=(1, 1), w_zp=3), False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_qconv_dsp_matches_reference(case, tmp_path, monkeypatch):
+    kw, specialised = CASES[case]
+    path = tmp_path / "m.onnx"
+    onnx.save(_conv_model(**kw), str(path))
+    _check(path, case, specialised, "qconv2d", tmp_path, monkeypatch)
+
+
+def _dense_model(M, K, N, xz=-128, yz=0, relu=False, trans_b=False, w_zp=0, seed=0):
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def const(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+
+    shape = (N, K) if trans_b else (K, N)
+    const("w_q", rng.integers(-128, 128, shape).astype(np.int8))
+    if w_zp:
+        ws = np.float32(3e-3)
+        const("w_s", ws), const("w_z", np.int8(w_zp))
+        nodes.append(helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w"]))
+        bs = np.full(N, np.float32(0.05) * ws, np.float32)
+    else:
+        ws = (np.geomspace(1.0, 6.0, N) * 1e-3).astype(np.float32)
+        const("w_s", ws), const("w_z", np.zeros(N, np.int8))
+        nodes.append(helper.make_node("DequantizeLinear", ["w_q", "w_s", "w_z"], ["w"], axis=0 if trans_b else 1))
+        bs = (np.float32(0.05) * ws).astype(np.float32)
+    const("b_q", rng.integers(-3000, 3000, N).astype(np.int32)), const("b_s", bs), const("b_z", np.zeros(N, np.int32))
+    nodes.append(helper.make_node("DequantizeLinear", ["b_q", "b_s", "b_z"], ["b"], axis=0))
+    const("x_s", np.float32(0.05)), const("x_z", np.int8(xz))
+    nodes.append(helper.make_node("DequantizeLinear", ["x", "x_s", "x_z"], ["xf"]))
+    nodes.append(helper.make_node("Gemm", ["xf", "w", "b"], ["g"], transB=int(trans_b)))
+    last = "g"
+    if relu:
+        nodes.append(helper.make_node("Relu", ["g"], ["r"]))
+        last = "r"
+    const("y_s", np.float32(0.06)), const("y_z", np.int8(yz))
+    nodes.append(helper.make_node("QuantizeLinear", [last, "y_s", "y_z"], ["y"]))
+    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.INT8, [M, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    m.ir_version = 9
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
+
+
+DENSE_CASES = {
+    "1x640x128-relu": (dict(M=1, K=640, N=128, relu=True), True),
+    "3x37x7-odd": (dict(M=3, K=37, N=7, xz=127, yz=-128), True),
+    "2x8x5-transb": (dict(M=2, K=8, N=5, trans_b=True, xz=0, yz=127), True),
+    "k3-too-short": (dict(M=1, K=3, N=4), False),
+    "weight-zero-point": (dict(M=1, K=16, N=8, w_zp=-2), False),
+}
+
+
+def _check(path, case, specialised, family, tmp_path, monkeypatch):
+    seeds = (0, 1)
+    dsp, n_dsp, src = _run(path, tmp_path / "dsp", seeds)
+    with monkeypatch.context() as mp:
+        _without_isa(mp)
+        ref, n_ref, ref_src = _run(path, tmp_path / "ref", seeds)
+    assert ISA not in ref_src
+    for (feeds, got), (_, want) in zip(dsp, ref):
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and np.array_equal(a, b), f"{case}: DSP variant differs from the reference"
+        ort = reference.run_onnxruntime(path.read_bytes(), feeds)
+        for a, b in zip(got, ort):
+            assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 1
+    if specialised:
+        assert "__smlad" in src, f"{case}: the {family} variant fell back to the reference"
+        assert n_dsp < n_ref, f"{case}: {n_dsp} instructions with the DSP variant, {n_ref} without"
+    else:
+        assert "__smlad" not in src
+
+
+@pytest.mark.parametrize("case", list(DENSE_CASES))
+def test_qdense_dsp_matches_reference(case, tmp_path, monkeypatch):
+    kw, specialised = DENSE_CASES[case]
+    path = tmp_path / "m.onnx"
+    onnx.save(_dense_model(**kw), str(path))
+    _check(path, case, specialised, "qdense", tmp_path, monkeypatch)
