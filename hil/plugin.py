@@ -1,0 +1,348 @@
+"""The rig as a pytest plugin: options, parametrisation by board and model, the device-under-test
+fixtures, the device log on failures, and the HTML report at the end of the session.
+hil/conftest.py loads it; `python -m pytest -p hil.plugin ...` loads it elsewhere."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from hil import rig
+from hil.report import collect_report, write_html
+
+OPTION_GROUP = "hil (hardware-in-the-loop rig, see hil/README.md)"
+
+
+def pytest_addoption(parser):
+    g = parser.getgroup("hil", OPTION_GROUP)
+    g.addoption("--board", action="append", default=None, metavar="ID",
+                help="board of the inventory to test (repeatable, or 'all'; default mps2-an386)")
+    g.addoption("--port", default=None, metavar="PORT",
+                help="serial device or pyserial URL of the (single) real board; overrides the inventory")
+    g.addoption("--inventory", default=str(rig.HIL_DIR / "boards.yml"), metavar="PATH",
+                help="boards and ports (default hil/boards.yml)")
+    g.addoption("--models", default=None, metavar="LIST",
+                help="comma-separated model names (in --models-dir) or .onnx paths; default: the int8 "
+                     "MLPerf Tiny models that fit the board")
+    g.addoption("--models-dir", default=str(rig.DEFAULT_MODELS_DIR), metavar="DIR",
+                help="where model names are looked up (default ../shared/models/mlperf_tiny)")
+    g.addoption("--budgets", default=str(rig.HIL_DIR / "budgets.yml"), metavar="PATH",
+                help="latency and memory budgets per board and model (default hil/budgets.yml)")
+    g.addoption("--report-html", default=None, metavar="PATH",
+                help="self-contained HTML report written at the end (default ./hil-report.html, or "
+                     "pytest's temporary folder when the current folder is inside the checkout)")
+    g.addoption("--update-budgets", action="store_true",
+                help="write the figures measured by test_budgets.py into --budgets (re-seeding after a deliberate change)")
+    g.addoption("--soak", type=int, default=5, metavar="N",
+                help="inferences per model in test_soak.py (default 5; raise it on hardware)")
+    g.addoption("--hil-seed", type=int, default=0, metavar="SEED", help="seed of the random inputs")
+
+
+def pytest_configure(config):
+    for line in ("host: needs no board and no emulator (the hil rig's own logic)",
+                 "qemu: runs on a QEMU-emulated board (hil)",
+                 "hardware: runs on a real board over a serial port (hil)"):
+        config.addinivalue_line("markers", line)
+    config._hil_records = []
+
+
+def pytest_unconfigure(config):
+    rig.kill_qemu_left_behind()           # also after Ctrl-C or an internal error
+
+
+# ---- the session ------------------------------------------------------------------------------
+
+class HilSession:
+    """Per pytest process (each xdist worker has one): inventory, selected boards, models per board,
+    the firmware cache and one live device under test per board."""
+
+    def __init__(self, config):
+        self.config = config
+        opt = config.getoption
+        self.inventory_path = Path(opt("--inventory"))
+        self.inventory = rig.load_inventory(self.inventory_path)
+        self.entries = rig.select_boards(self.inventory, opt("--board") or ["mps2-an386"], self.inventory_path)
+        if opt("--port") and sum(e.transport == "serial" for e in self.entries) != 1:
+            raise rig.RigError("--port names one real board's port: select exactly one serial board with --board")
+        self.models_dir = Path(opt("--models-dir"))
+        self._models: dict[str, list[str]] = {}
+        self.not_fitting: dict[str, dict[str, str]] = {}
+        self._cache = None
+        self._live: dict[str, rig.Dut] = {}
+        self._budgets = None
+
+    def models(self, entry: rig.BoardEntry) -> list[str]:
+        if entry.id not in self._models:
+            given = self.config.getoption("--models")
+            if given:
+                names = [m.strip() for m in given.split(",") if m.strip()]
+                self._models[entry.id] = names      # asked for explicitly: a misfit is a failure
+            else:
+                fit, skipped = rig.models_that_fit(entry, rig.DEFAULT_MODELS, self.models_dir)
+                self._models[entry.id], self.not_fitting[entry.id] = fit, skipped
+        return self._models[entry.id]
+
+    def conformance_model(self, entry: rig.BoardEntry) -> str:
+        models = self.models(entry)
+        return "kws_dscnn_int8" if "kws_dscnn_int8" in models else models[0]
+
+    @property
+    def budgets(self) -> rig.Budgets:
+        if self._budgets is None:
+            self._budgets = rig.load_budgets(self.config.getoption("--budgets"))
+        return self._budgets
+
+    def cache(self, tmp_path_factory) -> rig.AppCache:
+        if self._cache is None:
+            base = tmp_path_factory.getbasetemp()
+            # xdist workers get basetemp/popen-gwN: share the firmware folder one level up
+            root = (base.parent if "workerinput" in self.config.__dict__ else base) / "hil-firmware"
+            self._cache = rig.AppCache(root, self.models_dir)
+        return self._cache
+
+    def dut(self, entry: rig.BoardEntry, model: str, tmp_path_factory) -> rig.Dut:
+        """The board's device under test running `model`'s firmware; one live per board (QEMU
+        spins a core while the firmware polls its UART; a real board holds one firmware)."""
+        live = self._live.get(entry.id)
+        if live is not None and live.app.model == Path(model).stem:
+            return live
+        if live is not None:
+            live.close()
+            del self._live[entry.id]
+        app = self.cache(tmp_path_factory).get(entry, model)
+        transport = rig.make_transport(entry, app, self.config.getoption("--port"))
+        d = rig.Dut(app, transport)
+        if entry.transport == "serial" and entry.flash:
+            rig.run_flash(entry, app, rig.flash_port(entry, self.config.getoption("--port")))
+        self._live[entry.id] = d
+        return d
+
+    def close(self) -> None:
+        for d in self._live.values():
+            d.close()
+        self._live.clear()
+
+
+def _session(config) -> HilSession:
+    if not hasattr(config, "_hil_session"):
+        config._hil_session = HilSession(config)
+    return config._hil_session
+
+
+RIG_ERROR = "rig-setup-error"
+
+
+def pytest_generate_tests(metafunc):
+    names = metafunc.fixturenames
+    if "board_id" not in names:
+        return
+    try:
+        hs = _session(metafunc.config)
+        pairs = [(e.id, m) for e in hs.entries for m in hs.models(e)] if "model" in names else None
+    except rig.RigError as e:
+        # a set-up problem (inventory, models): every board test errors with it at setup, while
+        # `-m host` still runs the rig's own tests
+        metafunc.config._hil_setup_error = e
+        pairs = [(RIG_ERROR, RIG_ERROR)]
+        hs = None
+    if "model" in names:
+        metafunc.parametrize(["board_id", "model"], pairs, ids=[f"{b}-{m}" for b, m in pairs], scope="module")
+    else:
+        ids = [e.id for e in hs.entries] if hs else [RIG_ERROR]
+        metafunc.parametrize("board_id", ids, ids=ids, scope="module")
+
+
+@pytest.hookimpl(tryfirst=True)      # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    hs = getattr(config, "_hil_session", None)
+    for item in items:
+        cs = getattr(item, "callspec", None)
+        if cs is None or "board_id" not in cs.params or hs is None or cs.params["board_id"] not in hs.inventory:
+            continue
+        entry = hs.inventory[cs.params["board_id"]]
+        item.add_marker("qemu" if entry.transport == "qemu" else "hardware")
+        item.add_marker(pytest.mark.xdist_group(entry.id))     # --dist loadgroup: one worker per board
+        item.user_properties.append(("hil_board", entry.id))
+        item.user_properties.append(("hil_transport", entry.transport))
+        if "model" in cs.params:
+            item.user_properties.append(("hil_model", cs.params["model"]))
+
+
+# ---- fixtures ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session", autouse=True)
+def no_qemu_left_behind(request):
+    """Closes every device under test at the end and makes sure no QEMU process survives."""
+    yield
+    hs = getattr(request.config, "_hil_session", None)
+    if hs is not None:
+        hs.close()
+    left = rig.kill_qemu_left_behind()
+    assert not left, f"QEMU processes were still running at the end of the session (killed now): {left}"
+
+
+@pytest.fixture(scope="session")
+def hil(request):
+    """The rig session (inventory, boards, models, firmware cache, live devices)."""
+    err = getattr(request.config, "_hil_setup_error", None)
+    if err is not None:
+        raise err
+    return _session(request.config)
+
+
+@pytest.fixture
+def entry(hil, board_id) -> rig.BoardEntry:
+    return hil.inventory[board_id]
+
+
+def _use_dut(request, d: rig.Dut) -> rig.Dut:
+    d.begin_test()
+    request.node._hil_logs = getattr(request.node, "_hil_logs", []) + [d.full_log]
+    d.ready()
+    if d.kind == "serial" and not d.entry.flash and not getattr(d, "_model_checked", False):
+        running = d.device.profile()["model"]
+        if running != d.app.model_id:
+            raise rig.RigError(f"{d.entry.id} runs firmware for model {running!r}, the test needs {d.app.model} "
+                               f"({d.app.model_id}): flash it (see hil/README.md), pass --models, or add a "
+                               "flash: command to the inventory")
+        d._model_checked = True
+    return d
+
+
+@pytest.fixture
+def dut(request, hil, entry, model, tmp_path_factory):
+    """The board running `model`, in a known state (reset if the last test left it otherwise)."""
+    d = hil.dut(entry, model, tmp_path_factory)
+    mem = d.app.fw.memory             # known from the build, shown even when the test fails
+    request.node.user_properties.append(("hil", rig.to_json({"flash_used_bytes": mem["flash_used_bytes"],
+                                                            "ram_used_bytes": mem["ram_used_bytes"]})))
+    yield _use_dut(request, d)
+    _after(request, d)
+
+
+@pytest.fixture
+def cdut(request, hil, entry, tmp_path_factory):
+    """The board running its conformance firmware (KWS when it fits)."""
+    d = hil.dut(entry, hil.conformance_model(entry), tmp_path_factory)
+    yield _use_dut(request, d)
+    _after(request, d)
+
+
+def _after(request, d: rig.Dut) -> None:
+    rep = getattr(request.node, "_hil_call_report", None)
+    if rep is None or rep.failed:
+        d.dirty = True                    # the next test resets the board first
+
+
+@pytest.fixture
+def record(request):
+    """record(**figures): figures for the HTML report (board and model come from the test's id)."""
+    def _record(**kw):
+        request.node.user_properties.append(("hil", rig.to_json(kw)))
+    return _record
+
+
+@pytest.fixture
+def hil_log(request):
+    """hil_log(callable): adds a source of device log text shown when the test fails."""
+    def _add(source):
+        request.node._hil_logs = getattr(request.node, "_hil_logs", []) + [source]
+    return _add
+
+
+# ---- reports ----------------------------------------------------------------------------------
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call":
+        item._hil_call_report = rep
+    if rep.failed and getattr(item, "_hil_logs", None):
+        texts = []
+        for source in item._hil_logs:
+            try:
+                texts.append(source() if callable(source) else str(source))
+            except Exception as e:              # the log must never hide the failure
+                texts.append(f"(device log unavailable: {e})")
+        log = "\n".join(t for t in texts if t)
+        if log:
+            rep.sections.append((f"device log ({rep.when})", log))
+            rep.user_properties.append(("hil_device_log", log[-20000:]))
+            item.user_properties.append(("hil_device_log", log[-20000:]))   # JUnit reads the teardown report's
+
+
+def pytest_runtest_logreport(report):
+    cfg = _CONFIG.get("config")
+    if cfg is not None:
+        cfg._hil_records.append({
+            "nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+            "duration": report.duration, "props": [(k, v) for k, v in report.user_properties],
+            "message": report.longreprtext[-4000:] if report.failed else
+            (str(report.longrepr[2]) if report.skipped and isinstance(report.longrepr, tuple) else ""),
+        })
+
+
+_CONFIG: dict = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    _CONFIG["config"] = session.config
+    session.config._hil_started = time.time()
+
+
+def default_report_path(config) -> Path:
+    """./hil-report.html, except inside the checkout (keep the repository clean): then beside
+    pytest's temporary folders of this run."""
+    here = Path.cwd().resolve()
+    if here == rig.REPO or rig.REPO in here.parents:
+        return config._tmp_path_factory.getbasetemp() / "hil-report.html"
+    return here / "hil-report.html"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return                               # the controlling process writes the report
+    path = config.getoption("--report-html") or default_report_path(config)
+    hs = getattr(config, "_hil_session", None)
+    if hs is None and any(r["props"] for r in config._hil_records):
+        try:                                 # under xdist only the workers parametrised the tests
+            hs = HilSession(config)
+        except Exception:
+            hs = None
+    meta = {"boards": {}, "not_fitting": {},
+            "duration_s": time.time() - getattr(config, "_hil_started", time.time()),
+            "exit_status": int(exitstatus), "command": " ".join(config.invocation_params.args),
+            "cwd": os.getcwd()}
+    if hs is not None:
+        for e in hs.entries:
+            try:
+                hs.models(e)                 # fills not_fitting (cheap: no C is compiled)
+            except Exception:
+                pass
+            b = e.board
+            meta["boards"][e.id] = {"manifest": e.manifest, "transport": e.transport, "name": b.get("name", ""),
+                                    "flash_bytes": b["flash_bytes"], "ram_bytes": b["ram_bytes"]}
+        meta["not_fitting"] = hs.not_fitting
+    tests = collect_report(config._hil_records)
+    if config.getoption("--update-budgets"):
+        measured: dict = {}
+        for t in tests:
+            if t["board"] and t["model"] and t["figures"].get("measured"):
+                measured.setdefault(t["board"], {})[t["model"]] = t["figures"]["measured"]
+        if measured:
+            done = rig.update_budgets(config.getoption("--budgets"), measured)
+            config.get_terminal_writer().line(f"hil: budgets of {sum(map(len, measured.values()))} board/model "
+                                              f"pairs written to {done}")
+    try:
+        write_html(Path(path), tests, meta)
+    except OSError as e:
+        config.get_terminal_writer().line(f"hil: could not write the HTML report {path}: {e}", red=True)
+        return
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(f"hil: HTML report written to {Path(path).resolve()}")
