@@ -716,19 +716,8 @@ def make_transport(entry: BoardEntry, app: App, cli_port: str | None = None, lis
 
 # ---- QEMU processes ---------------------------------------------------------------------------
 
-def qemu_processes(parent: int | None = None) -> list[int]:
-    """Live qemu-system-* processes whose parent is `parent` (default: this process)."""
-    me, found = parent or os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        comm = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        if comm.startswith("qemu-system") and int(fields[1]) == me and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
+from tinydeploy.emulator import qemu_processes  # noqa: E402  (one definition, shared with the tests)
+
 
 
 def kill_qemu_left_behind() -> list[int]:

@@ -16,6 +16,7 @@ from tinydeploy import boards, emulator, mcu, reference
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
 from tinydeploy.targets import get_target
+from tinydeploy.emulator import qemu_processes
 from util import mlperf_model, require
 
 FP32_RTOL = 1e-4
@@ -23,17 +24,7 @@ FP32_RTOL = 1e-4
 
 def qemu_children() -> list[int]:
     """QEMU processes this test process started and that are still alive."""
-    me, found = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        comm = text[text.index("(") + 1:text.rindex(")")]
-        fields = text[text.rindex(")") + 2:].split()
-        if comm.startswith("qemu-system") and int(fields[1]) == me and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
+    return qemu_processes()
 
 
 @pytest.fixture(autouse=True)

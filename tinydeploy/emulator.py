@@ -40,6 +40,21 @@ def _die_with_parent() -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
 
+def qemu_processes(parent: int | None = None) -> list[int]:
+    """Live qemu-system-* processes whose parent is `parent` (default: this process)."""
+    me, found = parent or os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        if comm.startswith("qemu-system") and int(fields[1]) == me and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
