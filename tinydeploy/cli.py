@@ -189,7 +189,7 @@ def _quantize_for_build(args) -> str:
 def _print_run(res: dict) -> None:
     print(f"{printable(res['model'])} on {res['board']}: outputs {'match' if res['outputs_match'] else 'DIFFER'} "
           f"(max abs error {res['max_abs_error']:.3g}, max rel error {res['max_rel_error']:.3g}, "
-          f"tolerance {res['tolerance']})")
+          f"tolerance {res['tolerance']}{' ' + res['tolerance_unit'] if res.get('tolerance_unit') else ''})")
     lat, mem = res["latency"], res["memory"]
     if lat.get("instructions") is not None:
         print(f"latency {lat['instructions']:,} instructions per inference (exact, QEMU -icount)"
