@@ -9,20 +9,19 @@
 The tests only see Dut objects, so the same test code runs for every transport."""
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
 import signal
 import subprocess
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from tinydeploy import boards, mcu, reference
+from tinydeploy.build import file_lock
 from tinydeploy.errors import TinydeployError
 
 HIL_DIR = Path(__file__).resolve().parent
@@ -358,17 +357,6 @@ class App:
         return outs
 
 
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 class AppCache:
     """Builds firmware once per (board, model) into root/<board>/<model>/ (shared by pytest-xdist
     workers through a file lock; make keeps unchanged objects)."""
@@ -401,7 +389,7 @@ class AppCache:
         c = compile_model(path, get_target(board["target"]), board=entry.manifest)
         outdir = self.root / entry.id / path.stem
         emulate = entry.emulated and board["runner"] != "qemu-system"
-        with _locked(self.root / f".{entry.id}-{path.stem}.lock"):
+        with file_lock(self.root / f".{entry.id}-{path.stem}.lock"):
             fw = mcu.build_firmware(c.files, entry.manifest, outdir, emulate=emulate, force=True)
         g = c.graph
         ins = [(n, tuple(g.t(n).shape), np.dtype(g.t(n).dtype)) for n in g.inputs]

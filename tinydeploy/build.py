@@ -1,6 +1,7 @@
 """Writing a generated project to disk (safely) and compiling it for the host."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import subprocess
@@ -12,7 +13,21 @@ from tinydeploy.codegen.cfmt import c_comment, printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.targets import Target
 
-MARKER = ".tinydeploy.json"   # says "tinydeploy made this folder" and what it made
+MARKER = ".tinydeploy.json"
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on `path` (created if missing) for the duration of the block, so
+    concurrent processes (pytest-xdist workers, parallel builds) take turns."""
+    import fcntl  # POSIX only, like the toolchains tinydeploy drives
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)   # says "tinydeploy made this folder" and what it made
 
 
 def prepare_outdir(outdir: Path, force: bool) -> dict:

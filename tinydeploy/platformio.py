@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from tinydeploy import __version__, boards as boardlib
+from tinydeploy.build import file_lock
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 
@@ -215,18 +216,6 @@ def _template(rel: str) -> str:
     return p.read_text()
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    import fcntl  # noqa: PLC0415 - POSIX only, like the rest of this module's toolchain handling
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _pio_version(pio: str, core: Path) -> str:
     try:
         out = subprocess.run([pio, "--version"], capture_output=True, text=True, timeout=120,
@@ -283,7 +272,7 @@ def ensure_core(boards: dict[str, dict] | None = None, quiet: bool = True) -> di
     if _up_to_date(core, stamp_path, stamp):
         return env
 
-    with _locked(core / "tinydeploy" / "ensure.lock"):
+    with file_lock(core / "tinydeploy" / "ensure.lock"):
         if _up_to_date(core, stamp_path, stamp):     # another process just did it
             return env
         if not quiet:
@@ -580,10 +569,8 @@ def build_command(project_dir: Path | str, env_name: str) -> list[str]:
     return [find_pio(), "run", "-e", env_name, "-d", str(Path(project_dir).resolve())]
 
 
-def pio_build(project_dir: Path | str, env_name: str, timeout: float = BUILD_TIMEOUT_S,
-              quiet: bool = False, allow_registry: bool = False) -> Path:
-    """`pio run -e env_name` in project_dir, offline; returns .pio/build/<env>/firmware.elf.
-    Envs on a registry platform (e.g. nano33ble_arduino) are refused unless allow_registry."""
+def _prepare(project_dir, env_name: str, allow_registry: bool, quiet: bool) -> tuple[Path, dict]:
+    """What every `pio run` needs first: a project, an offline env, a ready core."""
     project_dir = Path(project_dir).resolve()
     if not (project_dir / "platformio.ini").is_file():
         raise TinydeployError(f"{project_dir} has no platformio.ini; write it first (write_platformio_ini)")
@@ -591,6 +578,14 @@ def pio_build(project_dir: Path | str, env_name: str, timeout: float = BUILD_TIM
         _refuse_registry_env(project_dir, env_name)
     env = ensure_core(quiet=quiet)
     _check_platform_paths(project_dir)
+    return project_dir, env
+
+
+def pio_build(project_dir: Path | str, env_name: str, timeout: float = BUILD_TIMEOUT_S,
+              quiet: bool = False, allow_registry: bool = False) -> Path:
+    """`pio run -e env_name` in project_dir, offline; returns .pio/build/<env>/firmware.elf.
+    Envs on a registry platform (e.g. nano33ble_arduino) are refused unless allow_registry."""
+    project_dir, env = _prepare(project_dir, env_name, allow_registry, quiet)
     log = project_dir / ".pio" / f"tinydeploy-build-{env_name}.log"
     _run_pio(build_command(project_dir, env_name), project_dir, env, log, timeout, quiet,
              f"pio run -e {env_name}")
@@ -612,13 +607,7 @@ def upload_command(project_dir: Path | str, env_name: str, port: str | None = No
 def pio_upload(project_dir: Path | str, env_name: str, port: str | None = None,
                timeout: float = BUILD_TIMEOUT_S, quiet: bool = False, allow_registry: bool = False) -> None:
     """Build if needed and flash a real board through PlatformIO (offline, like pio_build)."""
-    project_dir = Path(project_dir).resolve()
-    if not (project_dir / "platformio.ini").is_file():
-        raise TinydeployError(f"{project_dir} has no platformio.ini; write it first (write_platformio_ini)")
-    if not allow_registry:
-        _refuse_registry_env(project_dir, env_name)
-    env = ensure_core(quiet=quiet)
-    _check_platform_paths(project_dir)
+    project_dir, env = _prepare(project_dir, env_name, allow_registry, quiet)
     log = project_dir / ".pio" / f"tinydeploy-upload-{env_name}.log"
     _run_pio(upload_command(project_dir, env_name, port), project_dir, env, log, timeout, quiet,
              f"pio run -e {env_name} -t upload")
