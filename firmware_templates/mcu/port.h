@@ -20,6 +20,20 @@ uint32_t port_ticks(void);
 uint32_t port_tick_hz(void);
 /* Microseconds since port_init(); wraps at 2^32. */
 uint32_t port_us(void);
+/* For ports that only have a tick counter (their port_us() returns this): microseconds from
+ * port_ticks() and port_tick_hz() >= 1 MHz, exact across tick wrap-around as long as it is called
+ * at least once per counter period. Static inline: each port keeps its own state. */
+static inline uint32_t port_us_from_ticks(void)
+{
+    static uint32_t last_ticks, us, rem;
+    const uint32_t per_us = port_tick_hz() / 1000000u;
+    const uint32_t now = port_ticks();
+    const uint32_t elapsed = now - last_ticks + rem;
+    last_ticks = now;
+    us += elapsed / per_us;
+    rem = elapsed % per_us;
+    return us;
+}
 /* Work counter around td_run(): port_count_begin(), the code to measure, port_count_end() returns
  * the count in port_count_unit() units ("instructions" when exact, e.g. under QEMU -icount
  * shift=0; "ticks" of port_ticks() otherwise). One measurement at a time. */

@@ -17,7 +17,6 @@
 
 uint32_t startup_stack_used(uint32_t *reserved);
 
-static uint32_t us_last_ticks, us_acc, us_rem;
 static uint32_t count_start, count_calibration;
 
 void port_init(void)
@@ -31,7 +30,6 @@ void port_init(void)
     TIMER0_RELOAD = 0xFFFFFFFFu;
     TIMER0_VALUE = 0xFFFFFFFFu;
     TIMER0_CTRL = 1u;
-    us_last_ticks = port_ticks();
     port_count_begin();
     count_calibration = port_count_end();   /* an empty measurement counts 0 */
 }
@@ -58,15 +56,9 @@ uint32_t port_tick_hz(void)
     return TICK_HZ;
 }
 
-/* Microseconds, kept exact across tick wrap-around as long as it is called every 171 s. */
 uint32_t port_us(void)
 {
-    const uint32_t now = port_ticks();
-    const uint32_t elapsed = now - us_last_ticks + us_rem;
-    us_last_ticks = now;
-    us_acc += elapsed / (TICK_HZ / 1000000u);
-    us_rem = elapsed % (TICK_HZ / 1000000u);
-    return us_acc;
+    return port_us_from_ticks();
 }
 
 /* Exact instruction counts under QEMU -icount shift=0, where the 25 MHz timer advances exactly

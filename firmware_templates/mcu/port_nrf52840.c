@@ -77,7 +77,7 @@ uint32_t startup_stack_used(uint32_t *reserved);
 static volatile uint8_t rx_buf[2];    /* EasyDMA needs RAM buffers */
 static unsigned rx_next;              /* buffer the next completed byte lands in */
 static volatile char tx_byte;
-static uint32_t us_last_ticks, us_acc, us_rem, count_start;
+static uint32_t count_start;
 
 void port_init(void)
 {
@@ -114,7 +114,6 @@ void port_init(void)
     TIMER_PRESCALER = 0u;             /* 16 MHz */
     TIMER_TASKS_CLEAR = 1u;
     TIMER_TASKS_START = 1u;
-    us_last_ticks = port_ticks();
 
     DEMCR |= 1u << 24;
     DWT_CYCCNT = 0u;
@@ -167,12 +166,7 @@ uint32_t port_tick_hz(void)
 
 uint32_t port_us(void)
 {
-    const uint32_t now = port_ticks();
-    const uint32_t elapsed = now - us_last_ticks + us_rem;
-    us_last_ticks = now;
-    us_acc += elapsed / (TICK_HZ / 1000000u);
-    us_rem = elapsed % (TICK_HZ / 1000000u);
-    return us_acc;
+    return port_us_from_ticks();
 }
 
 void port_count_begin(void)
