@@ -175,7 +175,7 @@ DENSE_CASES = {
 }
 
 
-def _check(path, case, specialised, family, tmp_path, monkeypatch):
+def _check(path, case, specialised, family, tmp_path, monkeypatch, marker="__smlad"):
     seeds = (0, 1)
     dsp, n_dsp, src = _run(path, tmp_path / "dsp", seeds)
     with monkeypatch.context() as mp:
@@ -189,10 +189,10 @@ def _check(path, case, specialised, family, tmp_path, monkeypatch):
         for a, b in zip(got, ort):
             assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 1
     if specialised:
-        assert "__smlad" in src, f"{case}: the {family} variant fell back to the reference"
+        assert marker in src, f"{case}: the {family} variant fell back to the reference"
         assert n_dsp < n_ref, f"{case}: {n_dsp} instructions with the DSP variant, {n_ref} without"
     else:
-        assert "__smlad" not in src
+        assert marker not in src
 
 
 @pytest.mark.parametrize("case", list(DENSE_CASES))
@@ -201,3 +201,49 @@ def test_qdense_dsp_matches_reference(case, tmp_path, monkeypatch):
     path = tmp_path / "m.onnx"
     onnx.save(_dense_model(**kw), str(path))
     _check(path, case, specialised, "qdense", tmp_path, monkeypatch)
+
+
+def _add_model(shape_a, shape_b, za, zb, zy, sa, sb, sy, relu=False):
+    inits, nodes = [], []
+
+    def const(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+
+    for n, z, sc in (("a", za, sa), ("b", zb, sb)):
+        const(f"{n}_s", np.float32(sc)), const(f"{n}_z", np.int8(z))
+        nodes.append(helper.make_node("DequantizeLinear", [n, f"{n}_s", f"{n}_z"], [f"{n}f"]))
+    nodes.append(helper.make_node("Add", ["af", "bf"], ["s"]))
+    last = "s"
+    if relu:
+        nodes.append(helper.make_node("Relu", ["s"], ["r"]))
+        last = "r"
+    const("y_s", np.float32(sy)), const("y_z", np.int8(zy))
+    nodes.append(helper.make_node("QuantizeLinear", [last, "y_s", "y_z"], ["y"]))
+    graph = helper.make_graph(nodes, "add", [helper.make_tensor_value_info("a", TensorProto.INT8, list(shape_a)),
+                                             helper.make_tensor_value_info("b", TensorProto.INT8, list(shape_b))],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    m.ir_version = 9
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
+
+
+ADD_CASES = {
+    # the SMLAL path: same shapes, shift S < 32 (output scale below twice the input scales)
+    "resnet-like-relu": (dict(shape_a=(1, 16, 9, 7), shape_b=(1, 16, 9, 7), za=-128, zb=4, zy=-128,
+                              sa=0.05, sb=0.11, sy=0.12, relu=True), True),
+    "saturating-zp-extremes": (dict(shape_a=(1, 3, 5, 5), shape_b=(1, 3, 5, 5), za=127, zb=-128, zy=0,
+                                    sa=0.02, sb=0.03, sy=0.01), True),
+    "exact-ties": (dict(shape_a=(2, 33), shape_b=(2, 33), za=0, zb=0, zy=3, sa=0.5, sb=0.25, sy=1.0), True),
+    # the reference: broadcasting, or a shift of 32 or more (output scale far above the inputs')
+    "broadcast": (dict(shape_a=(1, 4, 3, 3), shape_b=(1, 4, 1, 1), za=-128, zb=0, zy=0,
+                       sa=0.05, sb=0.05, sy=0.1), False),
+    "large-shift": (dict(shape_a=(1, 40), shape_b=(1, 40), za=5, zb=-7, zy=0, sa=0.01, sb=0.02, sy=0.5), False),
+}
+
+
+@pytest.mark.parametrize("case", list(ADD_CASES))
+def test_qadd_dsp_matches_reference(case, tmp_path, monkeypatch):
+    kw, specialised = ADD_CASES[case]
+    path = tmp_path / "m.onnx"
+    onnx.save(_add_model(**kw), str(path))
+    _check(path, case, specialised, "qadd", tmp_path, monkeypatch, marker="smlal")
