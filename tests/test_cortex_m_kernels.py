@@ -100,6 +100,10 @@ CASES = {
     "3x3-pad1-zp-in-loop": (dict(C=5, M=16, H=11, W=7, k=(3, 3), pads=(1, 1, 1, 1), xz=-128, act="relu"), True),
     "3x3-s2-asym-pad": (dict(C=16, M=19, H=10, W=10, k=(3, 3), s=(2, 2), pads=(0, 1, 1, 0), xz=100), True),
     "5x4-s2-c1": (dict(C=1, M=20, H=13, W=10, k=(5, 4), s=(2, 2), pads=(2, 1, 2, 1), xz=83, yz=-128), True),
+    # flat pairs along the taps (1 or 3 input channels)
+    "3x3-c3-s2-flat": (dict(C=3, M=8, H=11, W=10, k=(3, 3), s=(2, 2), pads=(0, 0, 1, 1), xz=-128), True),
+    "10x4-c1-s2-flat-zp": (dict(C=1, M=6, H=13, W=10, k=(10, 4), s=(2, 2), pads=(4, 1, 5, 2), xz=17), True),
+    "3x3-c1-odd-taps-flat": (dict(C=1, M=5, H=6, W=7, k=(3, 3), pads=(1, 1, 1, 1), xz=-128, act="relu"), True),
     "3x3-dil2": (dict(C=6, M=16, H=9, W=8, k=(3, 3), pads=(2, 2, 2, 2), dil=(2, 2), xz=-128), True),
     "3x3-c64-tiled": (dict(C=64, M=16, H=5, W=5, k=(3, 3), pads=(1, 1, 1, 1), xz=-128, ys=0.5), True),
     "3x3-c65-chunked-row-form": (dict(C=65, M=6, H=4, W=5, k=(3, 3), pads=(1, 1, 1, 1), xz=-128, ys=0.5), True),
@@ -175,7 +179,7 @@ DENSE_CASES = {
 }
 
 
-def _check(path, case, specialised, family, tmp_path, monkeypatch, marker="__smlad"):
+def _check(path, case, specialised, family, tmp_path, monkeypatch, marker="smlad"):
     seeds = (0, 1)
     dsp, n_dsp, src = _run(path, tmp_path / "dsp", seeds)
     with monkeypatch.context() as mp:
