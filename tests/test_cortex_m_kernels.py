@@ -121,7 +121,8 @@ CASES = {
     "row-form-m8": (dict(C=3, M=8, H=6, W=6, k=(3, 3), pads=(1, 1, 1, 1), xz=-128), True),
     "row-form-m6-s2": (dict(C=4, M=6, H=9, W=7, k=(3, 3), s=(2, 2), pads=(1, 1, 1, 1), xz=-128), True),
     "grouped-conv": (dict(C=8, M=8, H=5, W=5, k=(3, 3), pads=(1, 1, 1, 1), group=2, xz=-128), False),
-    "weight-zero-point": (dict(C=8, M=16, H=4, W=4, k=(1, 1), w_zp=3), False),
+    # int16 weights (w - zw): packed in pairs like int8 ones
+    "weight-zero-point": (dict(C=8, M=16, H=4, W=4, k=(1, 1), w_zp=3), True),
 }
 
 
@@ -174,8 +175,10 @@ DENSE_CASES = {
     "1x640x128-relu": (dict(M=1, K=640, N=128, relu=True), True),
     "3x37x7-odd": (dict(M=3, K=37, N=7, xz=127, yz=-128), True),
     "2x8x5-transb": (dict(M=2, K=8, N=5, trans_b=True, xz=0, yz=127), True),
-    "k3-too-short": (dict(M=1, K=3, N=4), False),
-    "weight-zero-point": (dict(M=1, K=16, N=8, w_zp=-2), False),
+    "k3-odd-pairs": (dict(M=1, K=3, N=4), True),
+    "k2-one-pair-n7": (dict(M=2, K=2, N=7, xz=-1), True),
+    "k9-n6-relu": (dict(M=1, K=9, N=6, relu=True), True),
+    "weight-zero-point": (dict(M=1, K=16, N=8, w_zp=-2), True),
 }
 
 
@@ -251,3 +254,45 @@ def test_qadd_dsp_matches_reference(case, tmp_path, monkeypatch):
     path = tmp_path / "m.onnx"
     onnx.save(_add_model(**kw), str(path))
     _check(path, case, specialised, "qadd", tmp_path, monkeypatch, marker="smlal")
+
+
+def test_pack_pairs_layout():
+    """Blocks of 4 rows, then per pair the rows of the block; low half column 2k, high 2k + 1."""
+    from tinydeploy.select_dsp import pack_pairs
+    rows = np.arange(-17, 18).reshape(5, 7).astype(np.int32) * 7
+    words = pack_pairs(rows).view(np.uint32)
+    kp = 4                                   # 7 columns -> 4 pairs, the last with a zero column
+    assert words.size == 5 * kp
+    for r in range(5):
+        block, i, nb = r // 4, r % 4, (4 if r < 4 else 1)
+        for k in range(kp):
+            w = int(words[block * 4 * kp + k * nb + i])
+            lo, hi = (w & 0xFFFF) - ((w & 0x8000) << 1), (w >> 16) - ((w & 0x80000000) >> 15)
+            assert lo == rows[r, 2 * k]
+            assert hi == (rows[r, 2 * k + 1] if 2 * k + 1 < 7 else 0)
+
+
+def test_packing_respects_flash_budget(monkeypatch):
+    """Packing doubles the weights' flash: within EXTRA_FLASH_BYTES, the most MACs per byte first;
+    with no budget nothing is packed (and the build still works through the other kernels)."""
+    from tests.util import mlperf_model
+    from tinydeploy import select_dsp
+    from tinydeploy.pipeline import compile_model
+    from tinydeploy.targets import get_target
+    model = mlperf_model("ad_autoencoder_int8.onnx")
+    target = get_target("cortex-m4")
+
+    def packed(c):
+        ks = [k for k in c.kernels if k is not None and k.family == "qdense"]
+        return [k for k in ks if k.params.get("PACKED")], ks
+
+    full, dense = packed(compile_model(model, target, board="mps2-an386"))
+    assert len(full) == len(dense) == 10
+    monkeypatch.setattr(select_dsp, "EXTRA_FLASH_BYTES", 0)
+    none, _ = packed(compile_model(model, target, board="mps2-an386"))
+    assert none == []
+    monkeypatch.setattr(select_dsp, "EXTRA_FLASH_BYTES", 50_000)   # 640x128 needs 81,920 more bytes
+    some, _ = packed(compile_model(model, target, board="mps2-an386"))
+    assert 0 < len(some) < 10
+    assert all(k.params["K"] * k.params["N"] < 640 * 128 for k in some)
+    assert sum(k.params["K"] * k.params["N"] for k in some) <= 50_000
