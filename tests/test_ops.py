@@ -525,6 +525,10 @@ POOL_CASES = [
          full=True),
     case("AveragePool", [1, 3, 11], {"kernel_shape": [4], "strides": [3], "pads": [1, 2], "count_include_pad": 1,
                                      "ceil_mode": 1}, id="avg_1d_include_pad_ceil_window_in_padding"),
+    # one window over the whole plane: lowered to the global pool (8-lane sums, tail)
+    case("AveragePool", [2, 3, 25, 5], {"kernel_shape": [25, 5]}, id="avg_whole_plane_125", full=True),
+    case("AveragePool", [1, 4, 2, 3], {"kernel_shape": [2, 3], "strides": [2, 2]}, id="avg_whole_plane_6"),
+    case("MaxPool", [1, 3, 4, 4], {"kernel_shape": [4, 4]}, id="max_whole_plane"),
     # ceil_mode windows that would start in the right padding are dropped (ONNX spec, onnxruntime)
     case("MaxPool", [1, 3, 11], {"kernel_shape": [4], "strides": [3], "pads": [1, 2], "ceil_mode": 1},
          id="max_1d_ceil_window_in_padding"),

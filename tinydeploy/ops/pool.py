@@ -45,6 +45,13 @@ def _ceil_disagrees(node: ir.Node, g: ir.Graph) -> bool:
 def _emit(node: ir.Node, g: ir.Graph) -> Kernel:
     p = _geometry(node, g)
     p["mode"] = "max" if node.op == "MaxPool" else "avg"
+    if (p["OH"] == p["OW"] == 1 and (p["KH"], p["KW"]) == (p["H"], p["W"]) and p["DH"] == p["DW"] == 1
+            and p["PT"] == p["PL"] == p["PB"] == p["PR"] == 0):
+        # one window over the whole plane (the last pool of ResNet-8, DS-CNN, MobileNet): the
+        # global pool's contiguous reduction
+        return Kernel("global_pool", dtype_tag(g.t(node.outputs[0]).dtype),
+                      {"NC": p["NC"], "HW": p["H"] * p["W"], "mode": p["mode"]}, [node.inputs[0], node.outputs[0]],
+                      desc=f"{p['mode']} {p['KH']}x{p['KW']} over the whole plane: {p['NC']} channels")
     p["include_pad"] = bool(node.attrs.get("count_include_pad", 0))
     desc = (f"{p['mode']} {p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']}: "
             f"{p['NC']}x{p['H']}x{p['W']} -> {p['OH']}x{p['OW']}")
