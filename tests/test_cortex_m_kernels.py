@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(shutil.which("arm-none-eabi-gcc") is None or shu
 
 
 def _conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, dil=(1, 1), xz=-128, yz=0, act=None,
-                w_zp=0, seed=0, xs=0.05, ys=0.08):
+                w_zp=0, seed=0, xs=0.05, ys=0.08, u8=False):
+    qt, tp = (np.uint8, TensorProto.UINT8) if u8 else (np.int8, TensorProto.INT8)
     rng = np.random.default_rng(seed)
     inits, nodes = [], []
 
@@ -52,7 +53,7 @@ def _conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, dil=(1, 1),
     const("b_s", np.broadcast_to(bscale, (M,)).astype(np.float32))
     const("b_z", np.zeros(M, np.int32))
     nodes.append(helper.make_node("DequantizeLinear", ["b_q", "b_s", "b_z"], ["b"], axis=0))
-    const("x_s", np.float32(xs)), const("x_z", np.int8(xz))
+    const("x_s", np.float32(xs)), const("x_z", qt(xz))
     nodes.append(helper.make_node("DequantizeLinear", ["x", "x_s", "x_z"], ["xf"]))
     nodes.append(helper.make_node("Conv", ["xf", "w", "b"], ["c"], kernel_shape=list(k), strides=list(s),
                                   pads=list(pads), group=group, dilations=list(dil)))
@@ -60,10 +61,10 @@ def _conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, dil=(1, 1),
     if act == "relu":
         nodes.append(helper.make_node("Relu", ["c"], ["r"]))
         last = "r"
-    const("y_s", np.float32(ys)), const("y_z", np.int8(yz))
+    const("y_s", np.float32(ys)), const("y_z", qt(yz))
     nodes.append(helper.make_node("QuantizeLinear", [last, "y_s", "y_z"], ["y"]))
-    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.INT8, [1, C, H, W])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", tp, [1, C, H, W])],
+                              [helper.make_tensor_value_info("y", tp, None)], inits)
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     m.ir_version = 9
     m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
@@ -117,6 +118,13 @@ CASES = {
     "dw-3x3-zx0-padded": (dict(C=3, M=3, H=6, W=7, k=(3, 3), pads=(1, 1, 1, 1), group=3, xz=0), True),
     "dw-3x3-large-plane": (dict(C=2, M=2, H=66, W=65, k=(3, 3), pads=(1, 1, 1, 1), group=2, xz=-128), True),
     "dw-3x3-large-plane-s2": (dict(C=2, M=2, H=67, W=66, k=(3, 3), s=(2, 2), pads=(0, 0, 1, 1), group=2, xz=5), True),
+    # uint8 activations (zero-extended)
+    "u8-pw": (dict(C=16, M=12, H=5, W=6, k=(1, 1), xz=128, yz=0, u8=True, act="relu"), True),
+    "u8-3x3-pad-words": (dict(C=6, M=9, H=9, W=10, k=(3, 3), pads=(1, 1, 1, 1), xz=200, yz=255, u8=True), True),
+    "u8-3x3-c3-flat": (dict(C=3, M=8, H=8, W=7, k=(3, 3), s=(2, 2), pads=(1, 1, 1, 1), xz=3, u8=True), True),
+    "u8-dw-3x3": (dict(C=5, M=5, H=8, W=9, k=(3, 3), pads=(1, 1, 1, 1), group=5, xz=255, yz=10, u8=True), True),
+    "u8-dw-3x3-large-s2": (dict(C=2, M=2, H=66, W=67, k=(3, 3), s=(2, 2), pads=(1, 1, 1, 1), group=2, xz=128, u8=True),
+                           True),
     # not specialised: must fall back to the reference and still match
     "row-form-m8": (dict(C=3, M=8, H=6, W=6, k=(3, 3), pads=(1, 1, 1, 1), xz=-128), True),
     "row-form-m6-s2": (dict(C=4, M=6, H=9, W=7, k=(3, 3), s=(2, 2), pads=(1, 1, 1, 1), xz=-128), True),
@@ -134,8 +142,9 @@ def test_qconv_dsp_matches_reference(case, tmp_path, monkeypatch):
     _check(path, case, specialised, "qconv2d", tmp_path, monkeypatch)
 
 
-def _dense_model(M, K, N, xz=-128, yz=0, relu=False, trans_b=False, w_zp=0, seed=0):
+def _dense_model(M, K, N, xz=-128, yz=0, relu=False, trans_b=False, w_zp=0, seed=0, u8=False):
     rng = np.random.default_rng(seed)
+    qt, tp = (np.uint8, TensorProto.UINT8) if u8 else (np.int8, TensorProto.INT8)
     inits, nodes = [], []
 
     def const(name, arr):
@@ -155,17 +164,17 @@ def _dense_model(M, K, N, xz=-128, yz=0, relu=False, trans_b=False, w_zp=0, seed
         bs = (np.float32(0.05) * ws).astype(np.float32)
     const("b_q", rng.integers(-3000, 3000, N).astype(np.int32)), const("b_s", bs), const("b_z", np.zeros(N, np.int32))
     nodes.append(helper.make_node("DequantizeLinear", ["b_q", "b_s", "b_z"], ["b"], axis=0))
-    const("x_s", np.float32(0.05)), const("x_z", np.int8(xz))
+    const("x_s", np.float32(0.05)), const("x_z", qt(xz))
     nodes.append(helper.make_node("DequantizeLinear", ["x", "x_s", "x_z"], ["xf"]))
     nodes.append(helper.make_node("Gemm", ["xf", "w", "b"], ["g"], transB=int(trans_b)))
     last = "g"
     if relu:
         nodes.append(helper.make_node("Relu", ["g"], ["r"]))
         last = "r"
-    const("y_s", np.float32(0.06)), const("y_z", np.int8(yz))
+    const("y_s", np.float32(0.06)), const("y_z", qt(yz))
     nodes.append(helper.make_node("QuantizeLinear", [last, "y_s", "y_z"], ["y"]))
-    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.INT8, [M, K])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", tp, [M, K])],
+                              [helper.make_tensor_value_info("y", tp, None)], inits)
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     m.ir_version = 9
     return onnx.shape_inference.infer_shapes(m, strict_mode=True)
@@ -179,6 +188,7 @@ DENSE_CASES = {
     "k2-one-pair-n7": (dict(M=2, K=2, N=7, xz=-1), True),
     "k9-n6-relu": (dict(M=1, K=9, N=6, relu=True), True),
     "weight-zero-point": (dict(M=1, K=16, N=8, w_zp=-2), True),
+    "u8-1x33x10": (dict(M=1, K=33, N=10, xz=128, yz=3, u8=True), True),
 }
 
 
@@ -210,25 +220,26 @@ def test_qdense_dsp_matches_reference(case, tmp_path, monkeypatch):
     _check(path, case, specialised, "qdense", tmp_path, monkeypatch)
 
 
-def _add_model(shape_a, shape_b, za, zb, zy, sa, sb, sy, relu=False):
+def _add_model(shape_a, shape_b, za, zb, zy, sa, sb, sy, relu=False, u8=False):
     inits, nodes = [], []
+    qt, tp = (np.uint8, TensorProto.UINT8) if u8 else (np.int8, TensorProto.INT8)
 
     def const(name, arr):
         inits.append(numpy_helper.from_array(np.asarray(arr), name))
 
     for n, z, sc in (("a", za, sa), ("b", zb, sb)):
-        const(f"{n}_s", np.float32(sc)), const(f"{n}_z", np.int8(z))
+        const(f"{n}_s", np.float32(sc)), const(f"{n}_z", qt(z))
         nodes.append(helper.make_node("DequantizeLinear", [n, f"{n}_s", f"{n}_z"], [f"{n}f"]))
     nodes.append(helper.make_node("Add", ["af", "bf"], ["s"]))
     last = "s"
     if relu:
         nodes.append(helper.make_node("Relu", ["s"], ["r"]))
         last = "r"
-    const("y_s", np.float32(sy)), const("y_z", np.int8(zy))
+    const("y_s", np.float32(sy)), const("y_z", qt(zy))
     nodes.append(helper.make_node("QuantizeLinear", [last, "y_s", "y_z"], ["y"]))
-    graph = helper.make_graph(nodes, "add", [helper.make_tensor_value_info("a", TensorProto.INT8, list(shape_a)),
-                                             helper.make_tensor_value_info("b", TensorProto.INT8, list(shape_b))],
-                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    graph = helper.make_graph(nodes, "add", [helper.make_tensor_value_info("a", tp, list(shape_a)),
+                                             helper.make_tensor_value_info("b", tp, list(shape_b))],
+                              [helper.make_tensor_value_info("y", tp, None)], inits)
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
     m.ir_version = 9
     return onnx.shape_inference.infer_shapes(m, strict_mode=True)
@@ -240,6 +251,8 @@ ADD_CASES = {
                               sa=0.05, sb=0.11, sy=0.12, relu=True), True),
     "saturating-zp-extremes": (dict(shape_a=(1, 3, 5, 5), shape_b=(1, 3, 5, 5), za=127, zb=-128, zy=0,
                                     sa=0.02, sb=0.03, sy=0.01), True),
+    "u8-relu": (dict(shape_a=(1, 8, 5, 5), shape_b=(1, 8, 5, 5), za=128, zb=100, zy=0, sa=0.05, sb=0.07, sy=0.1,
+                     relu=True, u8=True), True),
     "exact-ties": (dict(shape_a=(2, 33), shape_b=(2, 33), za=0, zb=0, zy=3, sa=0.5, sb=0.25, sy=1.0), True),
     # the reference: broadcasting, or a shift of 32 or more (output scale far above the inputs')
     "broadcast": (dict(shape_a=(1, 4, 3, 3), shape_b=(1, 4, 1, 1), za=-128, zb=0, zy=0,

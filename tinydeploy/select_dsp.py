@@ -56,8 +56,9 @@ def _pairs(p: dict) -> int:
 
 def _packable(k: Kernel) -> bool:
     p = k.params
-    # weights: int8, or int16 when the build subtracted a weight zero point (|w - zw| <= 255)
-    if p.get("TX") != "int8_t" or p.get("TW") not in ("int8_t", "int16_t"):
+    # 8-bit activations; weights int8, uint8, or int16 when the build subtracted a weight zero
+    # point (|w - zw| <= 255): every value an int16 half of a pair holds
+    if p.get("TX") not in ("int8_t", "uint8_t") or p.get("TW") not in ("int8_t", "uint8_t", "int16_t"):
         return False
     if k.family == "qconv2d":
         return p["form"] in ("pixel", "row") and p["G"] == 1
