@@ -271,7 +271,7 @@ def test_qadd_dsp_matches_reference(case, tmp_path, monkeypatch):
 
 def test_pack_pairs_layout():
     """Blocks of 4 rows, then per pair the rows of the block; low half column 2k, high 2k + 1."""
-    from tinydeploy.select_dsp import pack_pairs
+    from tinydeploy.select_mcu import pack_pairs
     rows = np.arange(-17, 18).reshape(5, 7).astype(np.int32) * 7
     words = pack_pairs(rows).view(np.uint32)
     kp = 4                                   # 7 columns -> 4 pairs, the last with a zero column
@@ -289,7 +289,7 @@ def test_packing_respects_flash_budget(monkeypatch):
     """Packing doubles the weights' flash: within EXTRA_FLASH_BYTES, the most MACs per byte first;
     with no budget nothing is packed (and the build still works through the other kernels)."""
     from tests.util import mlperf_model
-    from tinydeploy import select_dsp
+    from tinydeploy import select_mcu
     from tinydeploy.pipeline import compile_model
     from tinydeploy.targets import get_target
     model = mlperf_model("ad_autoencoder_int8.onnx")
@@ -301,11 +301,60 @@ def test_packing_respects_flash_budget(monkeypatch):
 
     full, dense = packed(compile_model(model, target, board="mps2-an386"))
     assert len(full) == len(dense) == 10
-    monkeypatch.setattr(select_dsp, "EXTRA_FLASH_BYTES", 0)
+    monkeypatch.setattr(select_mcu, "EXTRA_FLASH_BYTES", 0)
     none, _ = packed(compile_model(model, target, board="mps2-an386"))
     assert none == []
-    monkeypatch.setattr(select_dsp, "EXTRA_FLASH_BYTES", 50_000)   # 640x128 needs 81,920 more bytes
+    monkeypatch.setattr(select_mcu, "EXTRA_FLASH_BYTES", 50_000)   # 640x128 needs 81,920 more bytes
     some, _ = packed(compile_model(model, target, board="mps2-an386"))
     assert 0 < len(some) < 10
     assert all(k.params["K"] * k.params["N"] < 640 * 128 for k in some)
     assert sum(k.params["K"] * k.params["N"] for k in some) <= 50_000
+
+
+def _f32_conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), bias=True, act=None, seed=0):
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.standard_normal((M, C, *k)).astype(np.float32) * 0.3, "w")]
+    ins = ["x", "w"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(M).astype(np.float32), "b"))
+        ins.append("b")
+    nodes = [helper.make_node("Conv", ins, ["c"], kernel_shape=list(k), strides=list(s), pads=list(pads),
+                              dilations=list(dil))]
+    if act == "relu":
+        nodes.append(helper.make_node("Relu", ["c"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["c"], ["y"]))
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, C, H, W])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
+
+
+F32_CASES = {
+    "3x3-pad1-odd-pixels": dict(C=5, M=9, H=7, W=5, k=(3, 3), pads=(1, 1, 1, 1), act="relu"),
+    "1x1-c64-m64": dict(C=64, M=64, H=5, W=5, k=(1, 1)),
+    "10x4-s2-c1-no-bias": dict(C=1, M=6, H=13, W=10, k=(10, 4), s=(2, 2), pads=(4, 1, 5, 2), bias=False),
+    "3x3-s2-asym-dil": dict(C=3, M=4, H=11, W=9, k=(3, 3), s=(2, 2), pads=(2, 0, 1, 2), dil=(2, 1)),
+    "3x3-c96-two-pixel-tiles": dict(C=96, M=3, H=4, W=3, k=(3, 3), pads=(1, 1, 1, 1)),
+    "5x5-odd-k-m1": dict(C=1, M=1, H=12, W=11, k=(5, 5)),
+}
+
+
+@pytest.mark.parametrize("case", list(F32_CASES))
+def test_conv_f32_fpu_variant(case, tmp_path, monkeypatch):
+    """The FPU GEMM variant (cortex-m4-fpu) against onnxruntime (fp32 tolerance; it fuses the
+    multiply-adds, so it is not bit-identical to the reference) and cheaper than the reference."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_f32_conv_model(**F32_CASES[case]), str(path))
+    got, n_fpu, src = _run(path, tmp_path / "fpu", (0, 1))
+    with monkeypatch.context() as mp:
+        real = kreg.resolve
+        mp.setattr(kreg, "resolve", lambda family, dtype, isas: real(family, dtype, [i for i in isas if i != "cortex-m4-fpu"]))
+        _, n_ref, ref_src = _run(path, tmp_path / "ref", (0,))
+    assert "vfma" in src and "vfma" not in ref_src, f"{case}: the FPU variant was not used"
+    assert n_fpu < n_ref, f"{case}: {n_fpu} instructions with the FPU variant, {n_ref} without"
+    for feeds, outs in got:
+        want = reference.run_onnxruntime(path.read_bytes(), feeds)
+        for a, b in zip(outs, want):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))

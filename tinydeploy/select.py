@@ -45,7 +45,7 @@ import numpy as np
 from tinydeploy import ir
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
-from tinydeploy.select_dsp import select_dsp
+from tinydeploy.select_mcu import select_mcu
 
 # Register tiles (MR rows x NR columns) each micro-kernel variant is generated for, with a
 # relative cost per multiply-accumulate (loads per FMA, latency cover). The templates take MR/NR
@@ -370,8 +370,8 @@ def _select_dense(g: ir.Graph, step: int, kern: Kernel, target, force: str) -> K
 def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target) -> list[Kernel | None]:
     """Replace generic fp32 conv2d/dense kernels by faster algorithms where the cost model says so."""
     force = _algo_env()
-    # int8 convolutions on cores with a DSP extension get their weights packed for SMLAD
-    kernels = select_dsp(g, kernels, target)
+    # microcontrollers: weights packed for the DSP extension (8-bit) and the FPU (fp32) kernels
+    kernels = select_mcu(g, kernels, target)
     if target.name.startswith("cortex-m") and force == "auto":
         return kernels      # microcontrollers: no data cache to block for, RAM matters more
     out: list[Kernel | None] = []

@@ -1,7 +1,8 @@
 """Cortex-M4F (Armv7E-M with the single-precision FPU), bare metal, built with arm-none-eabi-gcc.
 
-Kernel variants for the DSP extension would be named `<family>_<dtype>_cortex-m4-dsp`; until they
-exist the kernel registry falls back to the portable reference kernels."""
+Kernel variants: `<family>_<dtype>_cortex-m4-dsp` (8-bit, DSP extension: SMLAD on int16 pairs) and
+`<family>_<dtype>_cortex-m4-fpu` (fp32, FPU registers); the kernel registry falls back to the
+portable reference kernels for the rest (tinydeploy/select_mcu.py re-lays their weights)."""
 from __future__ import annotations
 
 import os
@@ -41,6 +42,6 @@ def cortex_m4() -> CortexMTarget:
         cc=os.environ.get("ARM_CC", "arm-none-eabi-gcc"),
         cflags=WARNINGS + CPU_FLAGS + ["-O2", "-ffunction-sections", "-fdata-sections"],
         ldlibs=["-lm"],
-        isas=["cortex-m4-dsp"],
+        isas=["cortex-m4-dsp", "cortex-m4-fpu"],
         alignment=8,
     )

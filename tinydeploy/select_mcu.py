@@ -1,12 +1,18 @@
-"""Kernel selection for Cortex-M cores with the DSP extension (Armv7E-M): the weights of int8
-convolutions and fully connected layers are packed at build time in the layout SMLAD multiplies.
+"""Kernel selection for Cortex-M cores: weights re-laid at build time for the register-blocked
+GEMM kernels of the DSP extension (8-bit) and of the FPU (fp32), each with arena scratch for the
+tile of activations it gathers.
 
-SMLAD multiplies int16 pairs: one 32-bit word holds two sign-extended weights of the same output
-channel, and the kernel multiplies it with the matching pair of activations (widened once per
-tile into arena scratch). Widening int8 weights at run time costs a pass over them for every tile
-of output pixels (a third of the time of a 64-channel 3x3 layer); packed here, the kernels read
-them straight from flash (firmware_templates/kernels/_qconv_pw_dsp.j2, qdense_s8_cortex-m4-dsp).
-The price is flash, two bytes per weight instead of one, bounded by EXTRA_FLASH_BYTES.
+8-bit (ISA cortex-m4-dsp): SMLAD multiplies int16 pairs. One 32-bit word holds two
+sign-extended weights of the same output channel, multiplied with the matching pair of
+activations (widened once per tile). Widening int8 weights at run time costs a pass over them for
+every tile of output pixels (a third of the time of a 64-channel 3x3 layer); packed here, the
+kernels read them straight from flash (firmware_templates/kernels/_qconv_pw_dsp.j2,
+qdense_s8_cortex-m4-dsp.c.j2). The price is flash, two bytes per weight instead of one, bounded by
+EXTRA_FLASH_BYTES.
+
+fp32 (ISA cortex-m4-fpu): convolutions with one group as a GEMM over pixel tiles, 4 channels x
+2 pixels of accumulators in FPU registers (conv2d_f32_cortex-m4-fpu.c.j2); the weights only
+change order ([M/4 blocks][K][4 channels]), so flash stays the same.
 
 Layout of the packed weights of one layer, int32 words (pack_pairs):
     [M/4 blocks of 4 output channels (the last block: M % 4 channels)][KP pairs][channels in block]
@@ -27,6 +33,7 @@ from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
 
 ISA = "cortex-m4-dsp"
+FPU_ISA = "cortex-m4-fpu"
 # Words of arena scratch (planned like any tensor, for the one step) for the kernel's tile of
 # activations widened to int16 pairs: up to 64 pixels, and at most 6 KiB unless two pixels need
 # more. (On the stack it would have to fit the smallest Cortex-M4 stack, 8 KiB on nano33ble,
@@ -37,6 +44,7 @@ TILE_PIXELS = 64
 # on them, the layers that gain most per byte first. The rest keep their int8 weights: fully
 # connected layers then widen them at run time, convolutions take the reference kernel.
 EXTRA_FLASH_BYTES = 384 * 1024
+FP32_MIN_MACS = 1024      # smaller fp32 convolutions keep the reference (measured: a 2x2 output loses)
 
 
 def tile_pixels(p: dict) -> int:
@@ -71,8 +79,13 @@ def pack_pairs(rows: np.ndarray) -> np.ndarray:
     r, k = rows.shape
     wf = np.zeros((r, k + k % 2), np.int32)
     wf[:, :k] = rows
-    words = ((wf[:, 0::2] & 0xFFFF) | (wf[:, 1::2] << 16)).astype(np.uint32).view(np.int32)   # [R][KP]
-    return np.ascontiguousarray(np.concatenate([words[b:b + 4].T.reshape(-1) for b in range(0, r, 4)]))
+    return blocks_of_4(((wf[:, 0::2] & 0xFFFF) | (wf[:, 1::2] << 16)).astype(np.uint32).view(np.int32))
+
+
+def blocks_of_4(rows: np.ndarray) -> np.ndarray:
+    """[R][K] -> [R/4 blocks (the last: R % 4 rows)][K][rows of the block], flat: the order the
+    kernels' 4-row register blocks read (all rows' values of one reduction step together)."""
+    return np.ascontiguousarray(np.concatenate([rows[b:b + 4].T.reshape(-1) for b in range(0, rows.shape[0], 4)]))
 
 
 def _conv_rows(g: ir.Graph, k: Kernel) -> np.ndarray:
@@ -91,15 +104,30 @@ def _conv_rows(g: ir.Graph, k: Kernel) -> np.ndarray:
     return wc.reshape(m, -1, 2, kk).transpose(0, 1, 3, 2).reshape(m, -1)
 
 
-def select_dsp(g: ir.Graph, kernels: list[Kernel | None], target) -> list[Kernel | None]:
-    """Pack the weights of the int8 convolutions and fully connected layers the DSP kernels
+def _attach(g: ir.Graph, step: int, k: Kernel, packed: np.ndarray, scratch_words: int, desc: str, **params) -> None:
+    """Give kernel k its packed weights (replacing args[1]), arena scratch (the planner's
+    "#scratch<step>", passed last) and parameters."""
+    name = g.fresh_name(k.args[1] + "_packed")
+    g.tensors[name] = ir.Tensor(name, packed.shape, packed.dtype, data=packed)
+    k.scratch_bytes = 4 * scratch_words
+    scratch = f"#scratch{step}"
+    g.tensors[scratch] = ir.Tensor(scratch, (scratch_words,), packed.dtype)
+    k.args = [k.args[0], name] + list(k.args[2:]) + [scratch]
+    k.params = dict(k.params, PACKED=True, **params)
+    k.desc = f"[{desc}] {k.desc}"
+
+
+def _uses(k: Kernel, target, isa: str) -> bool:
+    return isa in target.isas and kreg.resolve(k.family, k.dtype, list(target.isas))[1] == isa
+
+
+def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
+    """Pack the weights of the 8-bit convolutions and fully connected layers the DSP kernels
     compute, most MACs per extra flash byte first, while the extra flash stays within
-    EXTRA_FLASH_BYTES; give each its arena scratch for the activations widened to pairs."""
-    if ISA not in target.isas:
-        return kernels
+    EXTRA_FLASH_BYTES."""
     cands = []
     for step, k in enumerate(kernels):
-        if k is None or not _packable(k) or kreg.resolve(k.family, k.dtype, list(target.isas))[1] != ISA:
+        if k is None or not _packable(k) or not _uses(k, target, ISA):
             continue
         rows = _conv_rows(g, k) if k.family == "qconv2d" else g.const(k.args[1]).astype(np.int32)
         packed = pack_pairs(rows)
@@ -111,19 +139,31 @@ def select_dsp(g: ir.Graph, kernels: list[Kernel | None], target) -> list[Kernel
         if spent + extra > EXTRA_FLASH_BYTES:
             continue
         spent += extra
-        name = g.fresh_name(k.args[1] + "_pairs")
-        g.tensors[name] = ir.Tensor(name, packed.shape, np.dtype(np.int32), data=packed)
         if k.family == "qconv2d":
-            tile = tile_pixels(k.params)
-            pairs = _pairs(k.params)
-            k.params = dict(k.params, PACKED=True, FLAT=_flat(k.params), KP=pairs, T_=tile)
+            tile, pairs, flat = tile_pixels(k.params), _pairs(k.params), _flat(k.params)
+            _attach(g, step, k, packed, tile * pairs, f"{ISA} weights packed in int16 pairs{' (flat)' if flat else ''}",
+                    FLAT=flat, KP=pairs, T_=tile)
         else:
-            tile, pairs = 2, (k.params["K"] + 1) // 2
-            k.params = dict(k.params, PACKED=True, KP=pairs)
-        k.scratch_bytes = 4 * tile * pairs
-        scratch = f"#scratch{step}"        # the planner's name for a step's scratch
-        g.tensors[scratch] = ir.Tensor(scratch, (k.scratch_bytes // 4,), np.dtype(np.int32))
-        k.args = [k.args[0], name] + list(k.args[2:]) + [scratch]
-        flat = " (flat)" if k.params.get("FLAT") else ""
-        k.desc = f"[{ISA} weights packed in int16 pairs{flat}] {k.desc}"
+            pairs = (k.params["K"] + 1) // 2
+            _attach(g, step, k, packed, 2 * pairs, f"{ISA} weights packed in int16 pairs", KP=pairs)
+
+
+def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
+    """fp32 convolutions with one group: weights in 4-channel blocks for the FPU GEMM kernel."""
+    for step, k in enumerate(kernels):
+        if k is None or k.family != "conv2d" or k.dtype != "f32" or k.params["G"] != 1 or not _uses(k, target, FPU_ISA):
+            continue
+        p = k.params
+        kdim = p["C"] * p["KH"] * p["KW"]
+        if p["N"] * p["M"] * p["OH"] * p["OW"] * kdim < FP32_MIN_MACS:
+            continue        # gathering the columns would cost more than it saves
+        w = g.const(k.args[1]).astype(np.float32).reshape(p["M"], kdim)
+        tile = min(TILE_PIXELS, max(2, SCRATCH_WORDS // kdim // 2 * 2), (p["OH"] * p["OW"] + 1) // 2 * 2)
+        _attach(g, step, k, blocks_of_4(w), tile * kdim, f"{FPU_ISA} GEMM, weights in 4-channel blocks", T_=tile)
+
+
+def select_mcu(g: ir.Graph, kernels: list[Kernel | None], target) -> list[Kernel | None]:
+    """Weights packed for the Cortex-M kernels that multiply from registers (see the module text)."""
+    _select_8bit(g, kernels, target)
+    _select_fp32(g, kernels, target)
     return kernels
