@@ -358,3 +358,16 @@ def test_conv_f32_fpu_variant(case, tmp_path, monkeypatch):
         want = reference.run_onnxruntime(path.read_bytes(), feeds)
         for a, b in zip(outs, want):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()))
+
+
+def test_fp32_selection_on_cortex_m():
+    """fp32 on Cortex-M4: one-group convolutions take the FPU GEMM (weights in 4-channel blocks,
+    same bytes), depthwise ones the padded-plane kernel, tiny ones the reference."""
+    from tests.util import mlperf_model
+    from tinydeploy.pipeline import compile_model
+    from tinydeploy.targets import get_target
+    c = compile_model(mlperf_model("kws_dscnn_fp32.onnx"), get_target("cortex-m4"), board="mps2-an386")
+    convs = [k for k in c.kernels if k is not None and k.family in ("conv2d", "conv2d_dw")]
+    assert [k.family for k in convs] == ["conv2d"] + ["conv2d_dw", "conv2d"] * 4
+    assert all(k.params.get("PACKED") for k in convs if k.family == "conv2d")
+    assert all(k.scratch_bytes <= 4 * 1536 for k in convs if k.family == "conv2d")

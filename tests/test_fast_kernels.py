@@ -249,8 +249,10 @@ def test_selection_is_explicit_and_printable():
     g_params = {"N": 1, "C": 64, "H": 56, "W": 56, "M": 64, "OH": 56, "OW": 56, "KH": 1, "KW": 1, "SH": 1, "SW": 1,
                 "DH": 1, "DW": 1, "PT": 0, "PL": 0, "G": 1}
     assert select.conv_choice(g_params, "avx2", "auto") in ("conv2d_gemm", "conv2d_igemm")
+    assert select.conv_choice({**g_params, "C": 16, "M": 16, "KH": 3, "KW": 3, "PT": 1, "PL": 1, "SH": 2, "SW": 2,
+                               "OH": 28, "OW": 28}, "avx2", "auto") == "conv2d_igemm"   # few channels: no packing wins
     assert select.conv_choice({**g_params, "C": 16, "M": 16, "KH": 3, "KW": 3, "PT": 1, "PL": 1}, "avx2",
-                              "auto") == "conv2d_igemm"     # few output channels: no packing wins
+                              "auto") == "conv2d_winograd4"   # 3x3 stride 1 on a large plane
     assert select.conv_choice({**g_params, "G": 64, "M": 64}, "avx2", "auto") == "conv2d_dw"
     assert select.conv_choice({**g_params, "C": 2, "M": 2, "H": 4, "W": 4, "OH": 4, "OW": 4}, "avx2", "auto") == "ref"
     assert select.conv_choice(g_params, "avx2", "ref") == "ref"

@@ -81,7 +81,7 @@ def test_cortex_m4_target():
     for flag in ("-mcpu=cortex-m4", "-mthumb", "-mfloat-abi=hard", "-mfpu=fpv4-sp-d16", "-O2",
                  "-ffunction-sections", "-fdata-sections", "-Werror", "-Wall", "-Wextra"):
         assert flag in t.cflags
-    assert t.isas == ["cortex-m4-dsp"] and t.alignment in (8, 16)
+    assert t.isas == ["cortex-m4-dsp", "cortex-m4-fpu"] and t.alignment in (8, 16)
 
 
 def test_missing_arm_gcc_names_the_debian_package(monkeypatch):

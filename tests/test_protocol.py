@@ -261,6 +261,17 @@ def test_device_parses_replies_and_raises_on_device_errors():
     assert (c.runs, c.ticks_per_run, c.count_unit) == (4, 25.0, "ticks")
 
 
+def test_wait_boot_sends_a_garbled_name_command_again():
+    """A byte lost while QEMU's UART starts turns name% into 'ame': the device says e-[...]."""
+    dev = Device("loop://", timeout=1.0)
+    dev.ser.write(b"m-init-done\r\ne-[unknown command: ame]\r\nm-ready\r\nm-name-dut-[board 7]\r\nm-ready\r\n")
+    assert dev.wait_boot(timeout=2.0) == "board 7"
+    dev = Device("loop://", timeout=1.0)
+    dev.ser.write(b"e-[unknown command: ame]\r\nm-ready\r\n" * 3)
+    with pytest.raises(TinydeployError, match="answered 'name%' with e-.unknown command: ame. three times"):
+        dev.wait_boot(timeout=2.0)
+
+
 def test_device_refuses_a_bulk_load_the_board_rejects():
     dev = Device("loop://", timeout=1.0)
     dev.ser.write(b"e-[bload: N must be 1..64 (the input buffer size)]\r\nm-ready\r\n")

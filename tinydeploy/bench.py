@@ -1,5 +1,5 @@
-"""`tinydeploy bench`: the generated code's latency next to onnxruntime's (1 thread), measured
-in the same run on the same inputs, and their ratio. A benchmark, not a test: the machine is
+"""`tinydeploy bench`: the generated code's latency next to onnxruntime's (both on 1 thread, or
+both on N with --threads N), measured in the same run on the same inputs, and their ratio. A benchmark, not a test: the machine is
 shared, so only the ratio between peers measured together means much."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 from tinydeploy import flow, reference
 
 
-def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float) -> tuple[float, int]:
+def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float, threads: int = 1) -> tuple[float, int]:
     import onnxruntime as ort
     so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
+    so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
@@ -63,32 +63,96 @@ def _macs_of(model: Path, board: str) -> int:
     return compile_model(model, get_target(boards.get_board(board)["target"]), board=board).macs
 
 
-def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False) -> list[dict]:
+def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
+          threads: int = 1) -> list[dict]:
     from tinydeploy import boards
+    flow.check_threads(boards.get_board(board), threads)
     if boards.get_board(board)["kind"] == "mcu":
         return bench_mcu(models, board, as_json)
     rows = []
     for m in models:
         path = Path(m)
-        b = flow.build(path, board, reuse=True, quiet=as_json)
+        b = flow.build(path, board, reuse=True, quiet=as_json, threads=threads)
         specs = flow.io_specs(b.summary, "inputs")
         feeds = reference.random_inputs(specs, 0)
         out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
         x = [feeds[n] for n, _, _ in specs]
         ours, runs = flow.measure_runs(b.exe, x, out_specs, seconds)
-        ort_ms, ort_runs = onnxruntime_median_ms(path, feeds, seconds)
+        ort_ms, ort_runs = onnxruntime_median_ms(path, feeds, seconds, threads)
         macs = b.summary["macs"]
-        rows.append({"model": path.name, "board": board, "median_ms": ours, "runs": runs,
+        rows.append({"model": path.name, "board": board, "threads": threads, "median_ms": ours, "runs": runs,
                      "onnxruntime_median_ms": ort_ms, "onnxruntime_runs": ort_runs, "ratio": ours / ort_ms,
                      "gflops": 2 * macs / (ours * 1e6) if ours else None, "macs": macs,
                      "arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"]})
     if as_json:
         print(json.dumps(rows))
         return rows
-    print(f"{'model':<28} {'tinydeploy ms':>13} {'onnxruntime ms':>14} {'ratio':>7} {'GFLOP/s':>8} {'arena B':>10}")
+    each = f"{threads} thread{'s' if threads > 1 else ''} each"
+    print(f"{'model':<28} {'tinydeploy ms':>13} {'onnxruntime ms':>14} {'ratio':>7} {'GFLOP/s':>8} {'arena B':>10}"
+          f"  ({each})")
     for r in rows:
         print(f"{r['model']:<28} {r['median_ms']:>13.4f} {r['onnxruntime_median_ms']:>14.4f} {r['ratio']:>7.2f} "
               f"{r['gflops']:>8.2f} {r['arena_bytes']:>10,}")
-    print("ratio = tinydeploy / onnxruntime (1 thread each, same inputs, same run); < 1 means faster",
+    print(f"ratio = tinydeploy / onnxruntime ({each}, same inputs, same run); < 1 means faster",
           file=sys.stderr)
+    if threads > 1:
+        print("OpenMP threads spin, then sleep between layers; on a machine shared with busy processes try "
+              "OMP_WAIT_POLICY=passive (no spinning: helps large models, costs small ones a wake-up per layer)",
+              file=sys.stderr)
     return rows
+
+
+def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
+                 emulate: bool = False, threads: int = 1) -> list[dict]:
+    """`bench --layers`: each layer's algorithm, MACs, median time, GFLOP/s and share of the time,
+    from a build with -DTD_PROFILE (the harness times every layer of every timed run), so the
+    next bottleneck is visible. SBC boards run under qemu-aarch64 with --emulate: those times are
+    labelled emulated (they show where an emulator spends time, not the board)."""
+    from tinydeploy import boards
+    from tinydeploy.errors import TinydeployError
+    b_info = boards.get_board(board)
+    if b_info["kind"] == "mcu":
+        raise TinydeployError(f"bench --layers times layers of Linux boards; for {board} use `tinydeploy bench "
+                              f"--board {board}` (instruction counts per inference)")
+    prefix = flow.runner_prefix(b_info, emulate)
+    results = []
+    for m in models:
+        path = Path(m)
+        outdir = flow.default_outdir(path, board + ("-emulated" if prefix else "") + "-profile")
+        b = flow.build(path, board, outdir, reuse=True, quiet=as_json, extra_cflags=["-DTD_PROFILE"], threads=threads)
+        specs = flow.io_specs(b.summary, "inputs")
+        feeds = reference.random_inputs(specs, 0)
+        x = [feeds[n] for n, _, _ in specs]
+        out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+        _, ms = flow.execute(b.exe, x, out_specs, runs=3, prefix=prefix)
+        runs = int(min(1000, max(3, seconds / max(ms / 1000.0, 1e-7))))
+        total_us, per_layer = flow.profile_layers(b.exe, x, out_specs, runs, prefix)
+        layer_sum = sum(per_layer.values()) or 1.0
+        rows = []
+        for step, op, name, algo, macs in b.summary["layer_table"]:
+            us = per_layer.get(step, 0.0)
+            rows.append({"step": step, "op": op, "name": name, "algorithm": algo, "macs": macs, "us": us,
+                         "gflops": 2 * macs / (us * 1e3) if us > 0 and macs else None,
+                         "share_percent": 100.0 * us / layer_sum})
+        macs = b.summary["macs"]
+        results.append({"model": path.name, "board": board, "emulated": bool(prefix), "runs": runs,
+                        "total_us": total_us, "layers_us_sum": layer_sum, "macs": macs,
+                        "gflops": 2 * macs / (total_us * 1e3) if total_us > 0 else None, "layers": rows})
+    if as_json:
+        print(json.dumps(results))
+        return results
+    for r in results:
+        print(f"{r['model']} on {r['board']}{' (EMULATED: qemu-aarch64 times, not the board)' if r['emulated'] else ''}"
+              f": median of {r['runs']} runs, per layer")
+        print(f"{'step':>4}  {'op':<14} {'name':<24} {'algorithm':<52} {'MACs':>13} {'us':>10} {'GFLOP/s':>8} {'share':>6}")
+        for x in r["layers"]:
+            gf = f"{x['gflops']:.2f}" if x["gflops"] is not None else "-"
+            name = x["name"] if len(x["name"]) <= 24 else "..." + x["name"][-21:]   # the distinctive end
+            print(f"{x['step']:>4}  {x['op'][:14]:<14} {name:<24} {x['algorithm'][:52]:<52} {x['macs']:>13,} "
+                  f"{x['us']:>10.1f} {gf:>8} {x['share_percent']:>5.1f}%")
+        gf = f"{r['gflops']:.2f}" if r["gflops"] is not None else "-"
+        print(f"{'':>4}  {'total':<14} {'(whole inference)':<24} {'':<52} {r['macs']:>13,} {r['total_us']:>10.1f} "
+              f"{gf:>8} {100.0:>5.1f}%")
+    print("us = median per layer with timing hooks (-DTD_PROFILE); share = of the layers' sum; GFLOP/s = 2 x MACs / time",
+          file=sys.stderr)
+    return results

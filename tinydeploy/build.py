@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -70,13 +72,28 @@ def build_key(sha256: str, board: str, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def host_files(header_line: str, header: str, target: Target) -> dict[str, str]:
+def host_files(header_line: str, header: str, target: Target, threads: int = 1) -> dict[str, str]:
+    """main.c, and a Makefile and a CMakeLists.txt that build it with the same flags: both are
+    rendered from target.cflags, so they cannot drift apart."""
     env = kreg.env()
+    flags = list(target.cflags)
+    plain = re.compile(r"^[A-Za-z0-9_=+.,:/-]+$")     # nothing make, a shell or CMake would interpret
+    if not all(plain.match(f) for f in [*flags, *target.ldlibs]):
+        raise TinydeployError(f"target {target.name}: compiler flags must be plain words: {printable(' '.join(flags))}")
     return {
         "main.c": env.get_template("host/main.c.j2").render(header=header),
         "Makefile": env.get_template("host/Makefile.j2").render(header_line=c_comment(header_line, 200),
-                                                                cflags=" ".join(target.cflags)),
+                                                                cflags=" ".join(flags), threads=threads),
+        "CMakeLists.txt": env.get_template("host/CMakeLists.txt.j2").render(
+            header_line=c_comment(header_line.replace("Makefile", "CMakeLists.txt", 1), 200), cflags=flags,
+            ldlibs=target.ldlibs),
     }
+
+
+def with_threads(target: Target, threads: int) -> Target:
+    """The target for `--threads N`: N > 1 compiles and links with OpenMP (-fopenmp; with -static,
+    as on the aarch64 boards, libgomp is linked statically)."""
+    return target if threads <= 1 else dataclasses.replace(target, cflags=[*target.cflags, "-fopenmp"])
 
 
 def compile_host(outdir: Path, target: Target, extra_cflags: list[str] | None = None, cc: str | None = None,

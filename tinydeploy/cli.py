@@ -23,6 +23,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="write into a non-empty folder tinydeploy did not create")
 
 
+def _threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="Linux boards: run each layer on up to N OpenMP threads (default 1)")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tinydeploy", description="ONNX models to static-memory C for MCUs, SBCs and the host.")
     ap.add_argument("--version", action="version", version=f"tinydeploy {__version__}")
@@ -35,8 +40,10 @@ def parser() -> argparse.ArgumentParser:
                    "that stands in for the board, with the board's memory limits")
     p.add_argument("--quantize", choices=["uint8", "int8"], help="quantise first (onnxruntime, QDQ, per channel)")
     p.add_argument("--calibration", help="calibration data for --quantize (.npz/.npy or a folder)")
+    _threads(p)
     p = sub.add_parser("run", help="build, run on inputs, compare with onnxruntime")
     _common(p)
+    _threads(p)
     p.add_argument("--inputs", help=".npz (arrays named like the model inputs) or .npy (single input)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -54,14 +61,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax")
     p.add_argument("--format", choices=["qdq", "qoperator"], default="qdq")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("measure", help="run against a board already flashed with the model, over serial")
+    p = sub.add_parser("measure", help="run against a board already flashed with the model, over serial; "
+                       "Linux boards: on this machine, with --energy from a Jetson's power rails")
     _common(p)
-    p.add_argument("--port", required=True, help="serial port or pyserial URL (socket://127.0.0.1:N for QEMU)")
+    p.add_argument("--port", help="microcontroller boards (required): serial port or pyserial URL "
+                   "(socket://127.0.0.1:N for QEMU)")
     p.add_argument("--inputs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=1, help="inferences to time (default 1)")
+    p.add_argument("--runs", type=int, help="inferences to time (default: 1 on microcontrollers, about 3 s of "
+                   "runs on Linux boards)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for each answer (default 60)")
+    p.add_argument("--energy", action="store_true", help="Jetson boards: sample the power rails of the board "
+                   "manifest at 10 Hz during the timed runs; joules per inference")
+    p.add_argument("--sysfs-root", default="/", help="where sysfs is mounted for --energy (default /)")
+    p.add_argument("--emulate", action="store_true", help="Linux boards: run the board's binary here under QEMU")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("deploy", help="cross-build, run on a Linux board over ssh, compare with onnxruntime")
+    _common(p)
+    p.add_argument("--ssh", required=True, metavar="USER@HOST[:PORT]", help="the board (system ssh/scp, no prompts)")
+    p.add_argument("--port", type=int, help="ssh port (default 22, or the one in --ssh)")
+    p.add_argument("--identity", metavar="KEY", help="private key to log in with (ssh -i)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra ssh -o option, e.g. UserKnownHostsFile=FILE (repeatable)")
+    p.add_argument("--remote-dir", help="folder on the board to run in, kept afterwards (default: a fresh "
+                   "mktemp -d, removed afterwards)")
+    p.add_argument("--runs", type=int, help="inferences to time (default: as many as fit in about 1 s)")
+    _threads(p)
+    p.add_argument("--inputs", help=".npz (arrays named like the model inputs) or .npy (single input)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p = sub.add_parser("flash", help="flash a built firmware project to a board (PlatformIO upload)")
     p.add_argument("builddir", nargs="?", help="the project folder `tinydeploy build` wrote")
     p.add_argument("--board", required=True)
@@ -73,6 +101,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--board", default="host")
     p.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement (default 1 s)")
     p.add_argument("--json", action="store_true")
+    _threads(p)
+    p.add_argument("--layers", action="store_true", help="per layer: algorithm, MACs, median us, GFLOP/s, share "
+                   "of the time (a build with -DTD_PROFILE)")
+    p.add_argument("--emulate", action="store_true", help="with --layers: run an SBC board's build under "
+                   "qemu-aarch64 (times labelled emulated)")
+    p = sub.add_parser("tune", help="measure kernel candidates per layer shape, keep the fastest in the "
+                       "target's tuning database")
+    p.add_argument("models", nargs="+")
+    p.add_argument("--board", default="host")
+    p.add_argument("--db", help="tuning database file (default tinydeploy/tuning/<target>-<isa>.json)")
+    p.add_argument("--jobs", type=int, help="parallel candidate builds (default: CPU count)")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip layer shapes already in the database (default; --no-resume measures them again)")
+    p.add_argument("--seconds", type=float, default=0.2, help="time budget per candidate timing (default 0.2 s)")
+    p.add_argument("--ssh", metavar="USER@HOST", help="measure on this Linux board over ssh")
+    p.add_argument("--port", type=int, help="ssh port")
+    p.add_argument("--identity", help="ssh private key")
     return ap
 
 
@@ -128,7 +173,7 @@ def _dispatch(args, command: str) -> int:
         if args.quantize:
             model = _quantize_for_build(args)
         r = flow.build(model, args.board, args.outdir, args.force, shapes, command, emulate=args.emulate,
-                       builder=args.builder)
+                       builder=args.builder, threads=args.threads)
         if args.quantize:
             import shutil
             shutil.copyfile(model, r.outdir / Path(model).name)   # keep the model the C was made from
@@ -136,7 +181,7 @@ def _dispatch(args, command: str) -> int:
         return 0
     if args.cmd == "run":
         res = flow.run(args.model, args.board, args.inputs, args.seed, shapes, args.outdir, args.force, command,
-                       emulate=args.emulate)
+                       emulate=args.emulate, threads=args.threads)
         if args.json:
             print(json.dumps(res))
         else:
@@ -145,7 +190,15 @@ def _dispatch(args, command: str) -> int:
     if args.cmd == "measure":
         res = flow.measure(args.model, args.board, args.port, args.inputs, args.seed, shapes, args.outdir,
                            args.force, command, quiet=args.json, runs=args.runs,
-                           timeout=args.timeout)
+                           timeout=args.timeout, energy=args.energy, sysfs_root=args.sysfs_root,
+                           emulate=args.emulate)
+        print(json.dumps(res)) if args.json else _print_run(res)
+        return 0 if res["outputs_match"] else 1
+    if args.cmd == "deploy":
+        from tinydeploy.deploy import deploy
+        res = deploy(args.model, args.board, args.ssh, args.port, args.identity, args.remote_dir, args.runs,
+                     args.inputs, args.seed, shapes, args.outdir, args.force, command, quiet=args.json,
+                     ssh_options=args.ssh_option, threads=args.threads)
         print(json.dumps(res)) if args.json else _print_run(res)
         return 0 if res["outputs_match"] else 1
     if args.cmd == "flash":
@@ -166,8 +219,16 @@ def _dispatch(args, command: str) -> int:
         print(inspect_model(args.model, shapes))
         return 0
     if args.cmd == "bench":
-        from tinydeploy.bench import bench
-        bench(args.models, args.board, args.seconds, args.json)
+        from tinydeploy.bench import bench, bench_layers
+        if args.layers:
+            bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads)
+        else:
+            bench(args.models, args.board, args.seconds, args.json, args.threads)
+        return 0
+    if args.cmd == "tune":
+        from tinydeploy.tune import tune
+        tune(args.models, args.board, args.db, args.jobs, args.resume, args.seconds, args.ssh, args.port,
+             args.identity)
         return 0
     raise TinydeployError(f"unknown command {args.cmd}")
 
@@ -203,6 +264,16 @@ def _print_run(res: dict) -> None:
     if "flash_bytes" in mem:
         print(f"firmware: flash {mem['flash_bytes']:,} of {mem['flash_limit_bytes']:,} B, RAM {mem['ram_bytes']:,} "
               f"of {mem['ram_limit_bytes']:,} B, stack used {mem['stack_used_bytes']:,} B")
+    if res.get("energy"):
+        e = res["energy"]
+        rails = ", ".join(f"{printable(k)} {v:.3f} W" for k, v in e["mean_power_w"].items())
+        print(f"energy: {e['joules_per_inference'] * 1000:.4g} mJ per inference ({e['inferences_per_joule']:.4g} "
+              f"inferences/J); mean power {e['total_mean_power_w']:.3f} W ({rails}) over {e['window_s']:.2f} s, "
+              f"{e['samples']} samples")
+    if res.get("remote"):
+        r = res["remote"]
+        print(f"ran on {r['target']} ({r['machine']}) in {r['dir']}"
+              + (" (removed afterwards)" if r["dir_removed"] else ""))
 
 
 def _print_summary(s: dict) -> None:

@@ -2,6 +2,7 @@
 board, run it against onnxruntime, benchmark it."""
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -12,13 +13,25 @@ from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import boards, build as bld, reference
+from tinydeploy import boards, build as bld, reference, select
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import Compiled, compile_model
 from tinydeploy.targets import get_target
 
 FP32_RTOL = 1e-4
+MAX_THREADS = 256
+
+
+def check_threads(board: dict, threads) -> int:
+    """`--threads N`: OpenMP threads per layer on Linux boards (1: the serial code)."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise TinydeployError(f"--threads must be a whole number from 1 to {MAX_THREADS}, "
+                              f"not {printable(str(threads), 20)!r}")
+    if threads > 1 and board["kind"] == "mcu":
+        raise TinydeployError(f"--threads is for Linux boards (host, rpi4, jetson-*); {board['id']} is a "
+                              "single-core microcontroller: leave --threads out")
+    return threads
 
 
 def progress(msg: str) -> None:
@@ -49,7 +62,21 @@ def _summary(model: Path, board_id: str, outdir: Path, c: Compiled, files) -> di
         "inputs": [[n, list(c.graph.t(n).shape), np.dtype(c.graph.t(n).dtype).name] for n in c.graph.inputs],
         "outputs": [[n, list(c.graph.t(n).shape), np.dtype(c.graph.t(n).dtype).name] for n in c.graph.outputs],
         "output_lsb": [_dequantized_scale(c.graph, n) for n in c.graph.outputs],
+        "layer_table": layer_table(c),
     }
+
+
+def layer_table(c: Compiled) -> list[list]:
+    """[step, ONNX op, node name, algorithm, MACs] of each layer with code (`bench --layers`);
+    the algorithm is the "[...]" prefix of the kernel's description, else its family."""
+    from tinydeploy.ops import REGISTRY
+    rows = []
+    for step, (n, k) in enumerate(zip(c.graph.nodes, c.kernels)):
+        if k is not None:
+            m = re.match(r"\[([^\]]*)\]", k.desc)
+            rows.append([step, printable(n.onnx_op, 40), printable(n.name, 60),
+                         printable(m.group(1) if m else k.family, 80), int(REGISTRY[n.op].macs(n, c.graph))])
+    return rows
 
 
 def build_mcu(model: Path, board: dict, outdir: Path, force: bool, input_shapes, command: str, log,
@@ -70,10 +97,11 @@ def build_mcu(model: Path, board: dict, outdir: Path, force: bool, input_shapes,
 
 def build(model, board_id: str = "host", outdir=None, force: bool = False, input_shapes=None,
           command: str = "", reuse: bool = False, quiet: bool = False, extra_cflags=None, cc=None,
-          emulate: bool = False, builder: str | None = None) -> BuildResult:
+          emulate: bool = False, builder: str | None = None, threads: int = 1) -> BuildResult:
     model = Path(model)
     board = boards.get_board(board_id)
-    target = get_target(board["target"])
+    check_threads(board, threads)
+    target = bld.with_threads(get_target(board["target"]), threads)
     emulate = emulate and board["kind"] == "mcu" and board["runner"] != "qemu-system"
     outdir = Path(outdir) if outdir else default_outdir(model, board_id + ("-emulated" if emulate else ""))
     log = (lambda m: None) if quiet else progress
@@ -85,18 +113,25 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
     from tinydeploy.importer import sha256_file
     key = bld.build_key(sha256_file(model), board_id,
                         {"shapes": sorted((k, list(v)) for k, v in (input_shapes or {}).items()),
-                         "cflags": extra_cflags or [], "cc": cc or ""})
+                         "cflags": extra_cflags or [], "cc": cc or "", "threads": threads,
+                         "selection": select.selection_state(target)})
     previous = bld.prepare_outdir(outdir, force)
     exe = outdir / "model_run"
     if reuse and previous.get("key") == key and exe.is_file() and "summary" in previous:
         log(f"reusing up-to-date build in {outdir}")
         return BuildResult(outdir, exe, None, True, previous["summary"])
     log(f"compiling {printable(model.name)} for {board_id}")
-    c = compile_model(model, target, input_shapes, command=command, board=board_id)
+    c = compile_model(model, target, input_shapes, command=command, board=board_id, threads=threads)
+    fast = select.describe(c.kernels, fast_only=True)
+    for line in fast:
+        log(printable(line, 160))
+    log(f"{len(fast)} layers with fast algorithms, "
+        f"{sum(1 for k in c.kernels if k is not None and k.params.get('algo') == 'ref')} conv/dense layers kept the reference")
     files = dict(c.files)
     from tinydeploy.codegen.project import ModelInfo, header
     info = ModelInfo(model.name, c.sha256, command, board_id)
-    files.update(bld.host_files(f"Makefile -- generated by tinydeploy for {model.name}", header(info, "main.c: host harness"), target))
+    files.update(bld.host_files(f"Makefile -- generated by tinydeploy for {model.name}", header(info, "main.c: host harness"), target,
+                                threads))
     summary = _summary(model, board_id, outdir, c, files)
     bld.write_project(outdir, files, "")
     size = sum(len(t) for t in files.values())
@@ -152,9 +187,25 @@ def execute(exe: Path, feeds: list[np.ndarray], out_specs: list[tuple[tuple, np.
             prefix: list[str] = ()):
     """Run the harness binary on inputs (under `prefix`, e.g. qemu-aarch64, when emulating);
     returns (outputs, median latency in ms or None)."""
+    outs, stdout = run_harness(exe, feeds, out_specs, runs, prefix)
+    return outs, median_ms(stdout)
+
+
+def profile_layers(exe: Path, feeds, out_specs, runs: int, prefix: list[str] = ()) -> tuple[float, dict[int, float]]:
+    """Run a harness built with -DTD_PROFILE: (median latency in us, {step: median us})."""
+    _, stdout = run_harness(exe, feeds, out_specs, runs, prefix)
+    m = re.search(r"latency_us_median ([0-9.]+)", stdout)
+    layers = {int(s): float(us) for s, us in re.findall(r"^layer_us_median (\d+) ([0-9.]+)$", stdout, re.M)}
+    if m is None or not layers:
+        raise TinydeployError("the harness printed no per-layer times (was it built with -DTD_PROFILE?)")
+    return float(m.group(1)), layers
+
+
+def run_harness(exe: Path, feeds, out_specs, runs: int = 0, prefix: list[str] = ()) -> tuple[list[np.ndarray], str]:
+    """The harness binary on inputs: (outputs, its stdout)."""
     with tempfile.TemporaryDirectory(prefix="tinydeploy-") as tmp:
         fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
-        fin.write_bytes(b"".join(np.ascontiguousarray(a).tobytes() for a in feeds))
+        fin.write_bytes(pack_inputs(feeds))
         try:
             r = subprocess.run([*prefix, str(exe.resolve()), str(fin), str(fout), str(runs)], capture_output=True,
                                text=True, timeout=3600)
@@ -164,22 +215,40 @@ def execute(exe: Path, feeds: list[np.ndarray], out_specs: list[tuple[tuple, np.
             raise TinydeployError(f"the model binary failed (exit {r.returncode}): "
                                   f"{printable(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '', 200)}")
         raw = fout.read_bytes()
+    return unpack_outputs(raw, out_specs), r.stdout
+
+
+def pack_inputs(feeds) -> bytes:
+    """The harness's IN.bin: all inputs back to back."""
+    return b"".join(np.ascontiguousarray(a).tobytes() for a in feeds)
+
+
+def unpack_outputs(raw: bytes, out_specs) -> list[np.ndarray]:
+    """The harness's OUT.bin split into the outputs."""
     outs, pos = [], 0
     for shape, dt in out_specs:
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         outs.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(shape).copy())
         pos += n
-    m = re.search(r"latency_us_median ([0-9.]+)", r.stdout)
-    return outs, (float(m.group(1)) / 1000.0 if m else None)
+    return outs
 
 
-def measure_runs(exe: Path, feeds, out_specs, budget_s: float = 1.0) -> tuple[float, int]:
-    """Median latency (ms) over as many runs as fit in about budget_s (3 to 1000)."""
+def median_ms(stdout: str) -> float | None:
+    """The harness's timed median (it prints microseconds), in ms; None when it did not time."""
+    m = re.search(r"latency_us_median ([0-9.]+)", stdout)
+    return float(m.group(1)) / 1000.0 if m else None
+
+
+def measure_runs(exe: Path, feeds, out_specs, budget_s: float = 1.0, executor=None) -> tuple[float, int]:
+    """Median latency (ms) over as many runs as fit in about budget_s (3 to 1000), by `executor`
+    (see run; default: execute here). One inference's time is the harness's own figure, so the
+    start-up of the process (or an ssh round trip) does not shrink the number of runs."""
+    ex = executor or execute
     t0 = time.perf_counter()
-    execute(exe, feeds, out_specs, runs=1)
-    once = max(time.perf_counter() - t0, 1e-4)
+    _, ms1 = ex(exe, feeds, out_specs, runs=1)
+    once = max(ms1 / 1000.0 if ms1 else time.perf_counter() - t0, 1e-4)
     runs = int(min(1000, max(3, budget_s / once)))
-    _, ms = execute(exe, feeds, out_specs, runs=runs)
+    _, ms = ex(exe, feeds, out_specs, runs=runs)
     return ms, runs
 
 
@@ -213,16 +282,25 @@ def runner_prefix(board: dict, emulate: bool) -> list[str]:
 
 def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=None, outdir=None,
         force: bool = False, command: str = "", quiet: bool = False, extra_cflags=None, cc=None,
-        latency: bool = True, emulate: bool = False) -> dict:
+        latency: bool = True, emulate: bool = False, executor=None, runs: int | None = None,
+        seconds: float = 1.0, threads: int = 1) -> dict:
+    """Build, run on the inputs, compare with onnxruntime, time. `executor(exe, feeds, out_specs,
+    runs=N) -> (outputs, median ms or None)` runs a Linux board's harness elsewhere (deploy: over
+    ssh; measure --energy: while sampling power); default: here, natively or under QEMU. `runs`
+    fixes the number of timed runs (default: as many as fit in about `seconds`; none for the
+    default executor under QEMU, whose time means nothing)."""
     model = Path(model)
     board = boards.get_board(board_id)
+    check_threads(board, threads)
     if board["kind"] == "mcu" and board["runner"] != "qemu-system" and not emulate:
         raise TinydeployError(f"{board_id} is a real board: add --emulate to run its firmware under QEMU here, "
                               f"or flash it (`tinydeploy build --board {board_id}`, then PlatformIO upload) and "
                               f"run the rig: pytest hil --board {board_id} --port PORT")
-    prefix = runner_prefix(board, emulate)
+    prefix = runner_prefix(board, emulate) if executor is None else []
+    ex = executor or functools.partial(execute, prefix=prefix)
+    emulated = emulate and board["kind"] == "linux" and board_id != "host"
     b = build(model, board_id, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
-              extra_cflags=extra_cflags, cc=cc, emulate=emulate)
+              extra_cflags=extra_cflags, cc=cc, emulate=emulate, threads=threads)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
@@ -233,7 +311,7 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
         log(f"running under QEMU ({b.firmware.machine['id']}, -icount: exact instruction counts)")
         got, instructions, details = mcu.run_firmware(b.firmware, [feeds[n] for n, _, _ in specs], out_specs)
     else:
-        got, _ = execute(b.exe, [feeds[n] for n, _, _ in specs], out_specs, prefix=prefix)
+        got, _ = ex(b.exe, [feeds[n] for n, _, _ in specs], out_specs, runs=0)
     want = reference.run_onnxruntime(reference_model_bytes(model), feeds)
     # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs
     cmp = reference.compare_outputs(got, want, FP32_RTOL, b.summary.get("output_lsb"))
@@ -252,25 +330,43 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
                                 flash_limit_bytes=fwm["flash_bytes"], ram_limit_bytes=fwm["ram_bytes"],
                                 stack_used_bytes=details["stack_used_bytes"])
         result["emulated"] = board["runner"] != "qemu-system" or board_id == "mps2-an386"
-    elif prefix:
+    elif emulated and not runs and executor is None:
         result["emulated"] = True   # user-mode QEMU: results are real, time is not
     elif latency:
-        ms, runs = measure_runs(b.exe, [feeds[n] for n, _, _ in specs], out_specs)
+        x = [feeds[n] for n, _, _ in specs]
+        ms = ex(b.exe, x, out_specs, runs=runs)[1] if runs else None
+        if not runs:
+            ms, runs = measure_runs(b.exe, x, out_specs, seconds, executor=ex)
         result["latency"] = {"median_ms": ms, "runs": runs}
+        if emulated:
+            result["emulated"] = True
     return result
 
 
-def measure(model, board_id: str, port: str, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
-            force: bool = False, command: str = "", quiet: bool = False, runs: int = 1, timeout: float = 60.0) -> dict:
+def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
+            force: bool = False, command: str = "", quiet: bool = False, runs: int | None = None,
+            timeout: float = 60.0, energy: bool = False, sysfs_root="/", emulate: bool = False) -> dict:
     """The `run` flow against a board that already runs this model's firmware, over a serial port
-    (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests)."""
+    (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests). Linux boards are
+    measured on this machine instead, with --energy from their power rails (energy.measure_local)."""
     from tinydeploy import mcu
     from tinydeploy.protocol import Device
     model = Path(model)
     board = boards.get_board(board_id)
-    if board["kind"] != "mcu":
-        raise TinydeployError(f"measure talks to microcontroller boards over serial; {board_id} is not one "
-                              "(use `tinydeploy run`)")
+    if board["kind"] == "linux":
+        if port:
+            raise TinydeployError(f"--port is for microcontroller boards; measure {board_id} on the board itself "
+                                  f"(or here with --emulate), or from here with `tinydeploy deploy --ssh user@host`")
+        from tinydeploy import energy as en
+        return en.measure_local(model, board_id, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
+                                input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet)
+    if energy:
+        raise TinydeployError(f"--energy reads a Jetson's power rails; {board_id} is a microcontroller (measure its "
+                              "energy with an external power analyser)")
+    if not port:
+        raise TinydeployError(f"{board_id} is a microcontroller: give its serial port with --port (/dev/ttyACM0, or "
+                              "a pyserial URL)")
+    runs = runs or 1
     b = build(model, board_id, outdir, force, input_shapes, command, quiet=quiet)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)

@@ -56,7 +56,8 @@ def lower(g: ir.Graph) -> list[Kernel | None]:
     return [REGISTRY[n.op].emit(n, g) for n in g.nodes]
 
 
-def compile_model(path, target: Target, input_shapes=None, command: str = "", board: str = "host") -> Compiled:
+def compile_model(path, target: Target, input_shapes=None, command: str = "", board: str = "host",
+                  threads: int = 1) -> Compiled:
     g, _ = import_model(path, input_shapes)
     # QDQ models: weights are DequantizeLinear outputs until this pass (also first in PASSES,
     # where it is then a no-op) turns them into integer operators or float constants.
@@ -65,7 +66,7 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     run_passes(g)
     check_supported(g)
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
-    kernels = select_kernels(g, lower(g), target)   # fast conv/dense algorithms per layer
+    kernels = select_kernels(g, lower(g), target, threads)   # fast conv/dense algorithms per layer
     plan = plan_memory(g, kernels, target.alignment)
     sha = sha256_file(Path(path))
     info = project.ModelInfo(Path(path).name, sha, command, board)

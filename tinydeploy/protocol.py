@@ -172,11 +172,18 @@ class Device:
     def wait_boot(self, timeout: float = 30.0) -> str:
         """Waits until the device answers (name%), skipping its boot banner, which a host that
         connects late (or pyserial's socket://, which flushes input on open) may miss in part.
-        Returns the device's name."""
-        self.write(b"name%")
-        m, _ = self.expect(r"^m-name-dut-\[(.*)\]$", timeout)
-        self.expect(r"^m-ready$", timeout)
-        return m.group(1)
+        Returns the device's name. A byte lost while the device was still starting (QEMU's UART
+        under load) garbles the command: the device answers e-[...] and it is sent again."""
+        deadline = time.monotonic() + timeout
+        for attempt in range(3):
+            self.write(b"name%")
+            m, _ = self.expect(r"^(?:m-name-dut-\[(.*)\]|(e-\[.*))$", max(0.1, deadline - time.monotonic()),
+                               what="the answer to 'name%'")
+            self.expect(r"^m-ready$", max(0.1, deadline - time.monotonic()))
+            if m.group(2) is None:
+                return m.group(1)
+        raise TinydeployError(f"the board answered 'name%' with {printable(m.group(2), 80)} three times; "
+                              "check the serial settings (115200 8N1) and that it runs tinydeploy firmware")
 
     def resync(self, timeout: float | None = None) -> None:
         """Ends whatever partial command the device holds ('%') and discards the answers."""
