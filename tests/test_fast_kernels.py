@@ -137,6 +137,11 @@ CONV_CASES = {
 DW_CASES = {
     "dw_3x3_relu6": dict(c=16, h=9, w=7, m=16, group=16, act="relu6"),
     "dw_3x3_stride2_mult2": dict(c=8, h=10, w=11, m=16, group=8, stride=(2, 2)),
+    # stride 2 through the 4 phase planes: odd sizes, asymmetric pads, 5x5, no bias
+    "dw_3x3_stride2_asym_odd": dict(c=3, h=9, w=7, m=3, group=3, stride=(2, 2), pads=(0, 0, 1, 1), act="relu6"),
+    "dw_5x5_stride2_pad2": dict(c=4, h=13, w=12, m=4, k=(5, 5), group=4, stride=(2, 2), pads=(2, 2, 2, 2),
+                                bias=False),
+    "dw_3x3_stride2_tiny": dict(c=2, h=2, w=3, m=2, group=2, stride=(2, 2), pads=(1, 1, 1, 1)),
     "dw_5x5_dilated_narrow": dict(c=6, h=11, w=5, m=6, k=(5, 5), group=6, pads=(4, 4, 4, 4), dil=(2, 2)),
     "dw_3x3_nopad_batch2": dict(n=2, c=5, h=6, w=6, m=5, group=5, pads=(0, 0, 0, 0), bias=False),
 }

@@ -29,7 +29,8 @@ replace one by:
                 16/9 and 4x the filters: costly when a layer's U exceeds L2) and transforms
                 that do not pay on thin layers or tiny planes.
   conv2d_dw     depthwise (group == in channels): direct, per channel through a zero-padded
-                copy of the plane (no bounds tests), stride 1 as one flat vectorised loop.
+                copy of the plane (no bounds tests), stride 1 as one flat vectorised loop,
+                stride 2 the same over 4 phase planes (even/odd rows x columns).
   dense_packed  fully connected with more than a few rows: the same GEMM with the weights
                 packed into NR-column panels at build time and the input rows packed at run time.
   ref           tiny layers (< MIN_MACS) and matrix-vector products keep the reference kernel.
@@ -290,8 +291,13 @@ def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str, choic
         p.update(algo=algo, MULT=p["M"] // p["C"])
         hp = (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] + 1
         wp = (p["OW"] - 1) * p["SW"] + (p["KW"] - 1) * p["DW"] + 1
-        flat = _round_up((p["OH"] - 1) * wp + p["OW"], 16) if p["SH"] == p["SW"] == 1 else 0
-        scratch = 4 * (hp * wp + 2 * flat)      # planes, zero slack, flat accumulator
+        planes, flat = hp * wp, 0
+        if p["SH"] == p["SW"] == 1:
+            flat = _round_up((p["OH"] - 1) * wp + p["OW"], 16)
+        elif p["SH"] == p["SW"] == 2 and p["DH"] == p["DW"] == 1:    # 4 phase planes
+            planes = 4 * ((hp + 1) // 2) * ((wp + 1) // 2)
+            flat = _round_up((p["OH"] - 1) * ((wp + 1) // 2) + p["OW"], 16)
+        scratch = 4 * (planes + 2 * flat)      # planes, zero slack, flat accumulator
         args = list(kern.args) + [_add_scratch(g, step, scratch)]
         return Kernel("conv2d_dw", kern.dtype, p, args, scratch, f"[conv2d_dw {isa}] {kern.desc}")
     if algo == "conv2d_igemm":
