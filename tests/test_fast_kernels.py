@@ -121,6 +121,7 @@ def dense_model(m=7, k=33, n=21, bias="row", act=None, matmul3d=False, seed=RNG_
 CONV_CASES = {
     "1x1_direct_odd": dict(c=13, h=7, w=9, m=19, k=(1, 1), pads=(0, 0, 0, 0)),
     "1x1_small_plane_batch2": dict(n=2, c=40, h=3, w=5, m=70, k=(1, 1), pads=(0, 0, 0, 0), act="relu6"),
+    "1x1_deep_k1100": dict(c=1100, h=3, w=5, m=13, k=(1, 1), pads=(0, 0, 0, 0)),   # K past 1024: gemmt (stage 4)
     "1x1_stride2": dict(c=8, h=9, w=11, m=10, k=(1, 1), stride=(2, 2), pads=(0, 0, 0, 0), act="relu"),
     "3x3_pad_relu": dict(c=5, h=10, w=13, m=17, act="relu"),
     "3x3_stride2_bn": dict(c=6, h=11, w=11, m=24, stride=(2, 2), bn=True, act="relu"),
@@ -188,7 +189,7 @@ def assert_close_to_reference(path, tmp_path, monkeypatch, fast_c_marker: str):
 
 ALL_CASES = list(CONV_CASES) + list(DW_CASES) + list(DENSE_CASES)
 # 1x1 stride-1 convolutions also run as the transposed GEMM (conv2d_gemmt).
-GEMMT_CASES = ["1x1_direct_odd", "1x1_small_plane_batch2"]
+GEMMT_CASES = ["1x1_direct_odd", "1x1_small_plane_batch2", "1x1_deep_k1100"]
 # Convolutions of every kind also run as implicit GEMM (conv2d_igemm; strided ones through phase
 # planes).
 IGEMM_CASES = [n for n in CONV_CASES if n not in ("big_k", "1x1_stride2", "1x1_small_plane_batch2")]
