@@ -333,8 +333,9 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
     from tinydeploy.targets import get_target
     board = boards.get_board(board_id)
     if board["kind"] == "mcu":
-        raise TinydeployError(f"{board_id} is a microcontroller: nothing to tune (its fp32 layers keep the reference "
-                              "kernels and its int8 convolutions have one kernel each); tune a Linux board")
+        raise TinydeployError(f"{board_id} is a microcontroller: nothing to tune (each layer has one register-blocked "
+                              "DSP or FPU kernel, chosen by tinydeploy/select_mcu.py, or the reference); compare "
+                              "instruction counts with `tinydeploy bench --board mps2-an386`, or tune a Linux board")
     if os.environ.get("TINYDEPLOY_ALGO", "auto").strip() not in ("", "auto") or os.environ.get("TINYDEPLOY_TILE"):
         raise TinydeployError("TINYDEPLOY_ALGO / TINYDEPLOY_TILE force every layer's kernel; unset them to tune")
     if board_id != "host" and not ssh:
