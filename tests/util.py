@@ -44,6 +44,15 @@ def save(model: onnx.ModelProto, tmp_path: Path, name: str = "model.onnx") -> Pa
     return p
 
 
+def _build_variant(path: Path, variant: str, tmp_path: Path, input_shapes):
+    """Build for the host with one compiler variant: (build, input specs, output specs)."""
+    cc, flags = VARIANTS[variant]
+    require(cc)
+    b = flow.build(path, "host", tmp_path / f"build-{variant}", input_shapes=input_shapes, quiet=True,
+                   extra_cflags=flags, cc=cc)
+    return b, flow.io_specs(b.summary, "inputs"), [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+
+
 def check_model(model: onnx.ModelProto | Path, tmp_path: Path, feeds: dict | None = None, seed: int = 0,
                 variants=("gcc", "clang", "gcc-asan-ubsan"), rtol: float = flow.FP32_RTOL,
                 input_shapes=None) -> dict:
@@ -52,13 +61,8 @@ def check_model(model: onnx.ModelProto | Path, tmp_path: Path, feeds: dict | Non
     path = model if isinstance(model, Path) else save(model, tmp_path)
     res = None
     for v in variants:
-        cc, flags = VARIANTS[v]
-        require(cc)
-        b = flow.build(path, "host", tmp_path / f"build-{v}", input_shapes=input_shapes, quiet=True,
-                       extra_cflags=flags, cc=cc)
-        specs = flow.io_specs(b.summary, "inputs")
+        b, specs, out_specs = _build_variant(path, v, tmp_path, input_shapes)
         x = feeds if feeds is not None else reference.random_inputs(specs, seed)
-        out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
         got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs], out_specs)
         want = reference.run_onnxruntime(path.read_bytes(), x)
         res = reference.compare(got, want, rtol)
@@ -84,12 +88,7 @@ def check_model_lsb(model: onnx.ModelProto | Path, tmp_path: Path, feeds: dict |
     path = model if isinstance(model, Path) else save(model, tmp_path)
     results = []
     for v in variants:
-        cc, flags = VARIANTS[v]
-        require(cc)
-        b = flow.build(path, "host", tmp_path / f"build-{v}", input_shapes=input_shapes, quiet=True,
-                       extra_cflags=flags, cc=cc)
-        specs = flow.io_specs(b.summary, "inputs")
-        out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+        b, specs, out_specs = _build_variant(path, v, tmp_path, input_shapes)
         results = []
         for seed in seeds:
             x = feeds if feeds is not None else reference.random_inputs(specs, seed)

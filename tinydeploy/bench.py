@@ -38,7 +38,7 @@ def bench_mcu(models: list[str], board: str, as_json: bool) -> list[dict]:
     rows = []
     for m in models:
         r = flow.run(Path(m), board, quiet=as_json, emulate=True)
-        macs = _macs_of(Path(m), board)
+        macs = r["macs"]
         ins = r["latency"]["instructions"]
         rows.append({"model": Path(m).name, "board": board, "instructions": ins, "macs": macs,
                      "macs_per_instruction": macs / ins if ins else None, "outputs_match": r["outputs_match"],
@@ -54,13 +54,6 @@ def bench_mcu(models: list[str], board: str, as_json: bool) -> list[dict]:
     print(f"instructions per inference are exact under QEMU -icount ({board}; limits: flash "
           f"{rows[0]['flash_limit_bytes']:,} B, RAM {rows[0]['ram_limit_bytes']:,} B)" if rows else "", file=sys.stderr)
     return rows
-
-
-def _macs_of(model: Path, board: str) -> int:
-    from tinydeploy import boards
-    from tinydeploy.pipeline import compile_model
-    from tinydeploy.targets import get_target
-    return compile_model(model, get_target(boards.get_board(board)["target"]), board=board).macs
 
 
 def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
@@ -125,7 +118,7 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
         x = [feeds[n] for n, _, _ in specs]
         out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
         _, ms = flow.execute(b.exe, x, out_specs, runs=3, prefix=prefix)
-        runs = int(min(1000, max(3, seconds / max(ms / 1000.0, 1e-7))))
+        runs = flow.runs_within(seconds, ms / 1000.0)
         total_us, per_layer = flow.profile_layers(b.exe, x, out_specs, runs, prefix)
         layer_sum = sum(per_layer.values()) or 1.0
         rows = []

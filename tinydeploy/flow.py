@@ -246,10 +246,14 @@ def measure_runs(exe: Path, feeds, out_specs, budget_s: float = 1.0, executor=No
     ex = executor or execute
     t0 = time.perf_counter()
     _, ms1 = ex(exe, feeds, out_specs, runs=1)
-    once = max(ms1 / 1000.0 if ms1 else time.perf_counter() - t0, 1e-4)
-    runs = int(min(1000, max(3, budget_s / once)))
+    runs = runs_within(budget_s, ms1 / 1000.0 if ms1 else time.perf_counter() - t0)
     _, ms = ex(exe, feeds, out_specs, runs=runs)
     return ms, runs
+
+
+def runs_within(budget_s: float, once_s: float) -> int:
+    """How many timed runs of `once_s` seconds fit in about budget_s: 3 to 1000."""
+    return int(min(1000, max(3, budget_s / max(once_s, 1e-4))))
 
 
 def reference_model_bytes(model: Path) -> bytes:
@@ -315,7 +319,7 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
     want = reference.run_onnxruntime(reference_model_bytes(model), feeds)
     # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs
     cmp = reference.compare_outputs(got, want, FP32_RTOL, b.summary.get("output_lsb"))
-    result = {"model": model.name, "board": board_id, **cmp,
+    result = {"model": model.name, "board": board_id, **cmp, "macs": b.summary["macs"],
               "latency": {"median_ms": None, "runs": 0},
               "memory": {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
                          "weights_bytes": b.summary["weights_bytes"]}}

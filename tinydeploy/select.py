@@ -213,10 +213,15 @@ def conv_costs(p: dict, isa: str, l1: int = 32768, l2: int = 524288) -> dict[str
     return out
 
 
+def is_depthwise(p: dict) -> bool:
+    """One group per input channel, each with a whole number of output channels (conv2d_dw)."""
+    return p["G"] == p["C"] > 1 and p["M"] % p["C"] == 0
+
+
 def conv_choice(p: dict, isa: str, force: str, l1: int = 32768, l2: int = 524288) -> str:
     """Algorithm for one conv layer (params from ops.conv.conv_geometry)."""
     G, C, M = p["G"], p["C"], p["M"]
-    depthwise = G == C and G > 1 and M % C == 0
+    depthwise = is_depthwise(p)
     if force == "ref":
         return "ref"
     if force == "conv2d_dw":
@@ -575,8 +580,7 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
         # microcontrollers: no data cache to block for, RAM matters more; depthwise fp32
         # convolutions take the padded-plane kernel (one plane of scratch)
         return [_select_conv(g, s, k, target, "conv2d_dw")
-                if k is not None and k.family == "conv2d" and k.dtype == "f32"
-                and k.params["G"] == k.params["C"] > 1 and k.params["M"] % k.params["C"] == 0 else k
+                if k is not None and k.family == "conv2d" and k.dtype == "f32" and is_depthwise(k.params) else k
                 for s, k in enumerate(kernels)]
     # The tuning database's measured choice for a layer shape beats the cost model; the
     # environment overrides both (tests, experiments); the tuner forces its candidates.

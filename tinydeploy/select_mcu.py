@@ -47,10 +47,11 @@ EXTRA_FLASH_BYTES = 384 * 1024
 FP32_MIN_MACS = 1024      # smaller fp32 convolutions keep the reference (measured: a 2x2 output loses)
 
 
-def tile_pixels(p: dict) -> int:
-    """Output pixels per tile: even, at least 2, at most TILE_PIXELS and the layer's (rounded up)."""
+def tile_pixels(p: dict, words_per_pixel: int) -> int:
+    """Output pixels per tile of a layer's scratch: even, at least 2, within SCRATCH_WORDS (unless
+    two pixels need more), at most TILE_PIXELS and the layer's pixels (rounded up)."""
     pixels = p["OH"] * p["OW"]
-    return min(TILE_PIXELS, max(2, SCRATCH_WORDS // _pairs(p) // 2 * 2), (pixels + 1) // 2 * 2)
+    return min(TILE_PIXELS, max(2, SCRATCH_WORDS // words_per_pixel // 2 * 2), (pixels + 1) // 2 * 2)
 
 
 def _flat(p: dict) -> bool:
@@ -140,7 +141,8 @@ def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
             continue
         spent += extra
         if k.family == "qconv2d":
-            tile, pairs, flat = tile_pixels(k.params), _pairs(k.params), _flat(k.params)
+            pairs, flat = _pairs(k.params), _flat(k.params)
+            tile = tile_pixels(k.params, pairs)
             _attach(g, step, k, packed, tile * pairs, f"{ISA} weights packed in int16 pairs{' (flat)' if flat else ''}",
                     FLAT=flat, KP=pairs, T_=tile)
         else:
@@ -158,7 +160,7 @@ def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
         if p["N"] * p["M"] * p["OH"] * p["OW"] * kdim < FP32_MIN_MACS:
             continue        # gathering the columns would cost more than it saves
         w = g.const(k.args[1]).astype(np.float32).reshape(p["M"], kdim)
-        tile = min(TILE_PIXELS, max(2, SCRATCH_WORDS // kdim // 2 * 2), (p["OH"] * p["OW"] + 1) // 2 * 2)
+        tile = tile_pixels(p, kdim)
         _attach(g, step, k, blocks_of_4(w), tile * kdim, f"{FPU_ISA} GEMM, weights in 4-channel blocks", T_=tile)
 
 

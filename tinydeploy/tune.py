@@ -166,7 +166,7 @@ def candidates(kern, target, isa: str) -> list[dict]:
         best = min(costs.values())
         algos = [a for a in sorted(costs, key=costs.get) if costs[a] <= HOPELESS * best]
         base = select.conv_choice(p, isa, "auto", l1, l2)
-        if p["G"] == p["C"] and p["G"] > 1 and p["M"] % p["C"] == 0:
+        if select.is_depthwise(p):
             algos.insert(0, "conv2d_dw")
     else:
         algos = ["dense_packed", "ref"]

@@ -28,12 +28,12 @@ def _check(node, g):
     return float_only(node, g)
 
 
-def _macs(node, g):
+def conv_macs(node, g):
     p = conv_geometry(node, g)
     return p["N"] * p["M"] * p["OH"] * p["OW"] * (p["C"] // p["G"]) * p["KH"] * p["KW"]
 
 
-@register("Conv", check=_check, macs=_macs)
+@register("Conv", check=_check, macs=conv_macs)
 def emit_conv(node: ir.Node, g: ir.Graph) -> Kernel:
     p = conv_geometry(node, g)
     has_bias = len(node.inputs) > 2 and bool(node.inputs[2])

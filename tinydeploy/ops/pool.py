@@ -58,7 +58,7 @@ def _emit(node: ir.Node, g: ir.Graph) -> Kernel:
     return Kernel("pool2d", dtype_tag(g.t(node.outputs[0]).dtype), p, [node.inputs[0], node.outputs[0]], desc=desc)
 
 
-def _macs(node, g):
+def pool_macs(node, g):
     k = node.attrs.get("kernel_shape", [1])
     n = 1
     for v in k:
@@ -66,8 +66,8 @@ def _macs(node, g):
     return g.t(node.outputs[0]).size * n
 
 
-register("MaxPool", check=_check, macs=_macs)(_emit)
-register("AveragePool", check=_check, macs=_macs)(_emit)
+register("MaxPool", check=_check, macs=pool_macs)(_emit)
+register("AveragePool", check=_check, macs=pool_macs)(_emit)
 
 
 def _global(node: ir.Node, g: ir.Graph) -> Kernel:

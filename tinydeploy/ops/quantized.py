@@ -9,9 +9,9 @@ import numpy as np
 from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float, c_type
 from tinydeploy.ops import Kernel, dtype_tag, register
-from tinydeploy.ops.conv import conv_geometry
+from tinydeploy.ops.conv import conv_geometry, conv_macs
 from tinydeploy.ops.elementwise import broadcast_loops
-from tinydeploy.ops.pool import _geometry as pool_geometry
+from tinydeploy.ops.pool import _geometry as pool_geometry, pool_macs
 from tinydeploy.quant import ties_possible
 
 QTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
@@ -31,12 +31,7 @@ def _types(g: ir.Graph, node: ir.Node) -> dict:
     return {"TX": c_type(g.t(node.inputs[0]).dtype), "TY": c_type(g.t(node.outputs[0]).dtype)}
 
 
-def _conv_macs(node, g):
-    p = conv_geometry(node, g)
-    return p["N"] * p["M"] * p["OH"] * p["OW"] * (p["C"] // p["G"]) * p["KH"] * p["KW"]
-
-
-@register("QConv", check=_qcheck, macs=_conv_macs)
+@register("QConv", check=_qcheck, macs=conv_macs)
 def emit_qconv(node: ir.Node, g: ir.Graph) -> Kernel:
     p = conv_geometry(node, g)
     q = node.attrs["_q"]
@@ -161,12 +156,8 @@ def _qpool(node: ir.Node, g: ir.Graph) -> Kernel:
     return Kernel("qpool2d", dtype_tag(g.t(node.inputs[0]).dtype), p, [node.inputs[0], node.outputs[0]], desc=desc)
 
 
-def _pool_macs(node, g):
-    return g.t(node.outputs[0]).size * int(np.prod(node.attrs.get("kernel_shape", [1])))
-
-
-register("QMaxPool", check=_pool_check, macs=_pool_macs)(_qpool)
-register("QAveragePool", check=_pool_check, macs=_pool_macs)(_qpool)
+register("QMaxPool", check=_pool_check, macs=pool_macs)(_qpool)
+register("QAveragePool", check=_pool_check, macs=pool_macs)(_qpool)
 
 
 def _qglobal(node: ir.Node, g: ir.Graph) -> Kernel:
