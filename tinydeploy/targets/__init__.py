@@ -43,6 +43,26 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+# CPU features that decide which kernels run here and how onnxruntime's 8-bit kernels behave
+# (/proc/cpuinfo names: x86 "flags", aarch64 "Features").
+FEATURES = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f", "avx512_vnni": "avx512_vnni",
+            "avx_vnni": "avx_vnni", "neon": "asimd", "dotprod": "asimddp", "i8mm": "i8mm"}
+
+
+def cpu_features() -> dict[str, bool]:
+    """This machine's CPU features that matter to tinydeploy and its reference stack, by name
+    (x86: avx2, fma, avx512f, avx512_vnni, avx_vnni; aarch64: neon, dotprod, i8mm)."""
+    flags = _cpu_flags()
+    return {name: flag in flags for name, flag in FEATURES.items()}
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has 8-bit dot-product instructions on x86 (AVX512-VNNI or AVX-VNNI).
+    Without them onnxruntime's u8 x s8 kernels add products in saturating 16-bit pairs."""
+    f = cpu_features()
+    return f["avx512_vnni"] or f["avx_vnni"]
+
+
 def _cache_bytes(level: int, default: int) -> int:
     """Size of this machine's level-`level` data (or unified) cache from sysfs, else `default`."""
     base = "/sys/devices/system/cpu/cpu0/cache"
