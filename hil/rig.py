@@ -344,7 +344,14 @@ class App:
         return feeds, b"".join(np.ascontiguousarray(feeds[n]).tobytes() for n, _, _ in self.in_specs)
 
     def reference(self, feeds) -> list[np.ndarray]:
-        return reference.run_onnxruntime(self.path.read_bytes(), feeds)
+        """What the outputs should be: the oracle (reference.run_oracle; 8-bit models: the graph
+        run node by node, never onnxruntime's CPU-dependent fast kernels)."""
+        return reference.run_oracle(self.path.read_bytes(), feeds)
+
+    def check(self, feeds, got) -> dict:
+        """The verdict on the board's outputs (reference.check_outputs: 8-bit outputs also bit
+        for bit against tinydeploy's exact reference)."""
+        return reference.check_outputs(self.path, self.path.read_bytes(), feeds, got, 1e-4)
 
     def split_outputs(self, raw: bytes) -> list[np.ndarray]:
         outs, pos = [], 0
@@ -683,13 +690,13 @@ class Dut:
         return counts.ticks_total / counts.runs / counts.tick_hz * 1e6, "us"
 
     def run(self, seed: int, runs: int = 1, warmup: int = 0) -> dict:
-        """Loads the seeded inputs, infers, reads the raw outputs; compares with onnxruntime."""
+        """Loads the seeded inputs, infers, reads the raw outputs; holds them to the references."""
         feeds, data = self.app.inputs(seed)
         self.device.load(data)
         self.device.infer(runs, warmup, timeout=max(self.entry.timeout_s, 120.0 * runs))
         raw = self.device.outputs()
         got = self.app.split_outputs(raw)
-        cmp = reference.compare_outputs(got, self.app.reference(feeds), 1e-4)
+        cmp = self.app.check(feeds, got)
         lat, unit = self.latency(self.device.last_counts)
         return {"outputs": got, "raw": raw, "compare": cmp, "counts": self.device.last_counts,
                 "latency": lat, "latency_unit": unit}

@@ -1,5 +1,6 @@
-"""Each model built for the board, loaded, run on seeded inputs and compared with onnxruntime
-(8-bit outputs within 1 LSB, 99% identical: tinydeploy.reference.compare_outputs)."""
+"""Each model built for the board, loaded, run on seeded inputs and held to the references
+(tinydeploy.reference.check_outputs: 8-bit outputs bit for bit with tinydeploy's exact reference
+and within 1 LSB of the oracle)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,9 @@ def test_model_matches_onnxruntime(dut, seed, record, request):
     record(max_lsb=cmp["max_abs_error"], identical_fraction=cmp.get("identical_fraction"),
            latency=r["latency"], latency_unit=r["latency_unit"])
     assert cmp["outputs_match"], (f"{dut.app.model} on {dut.entry.id}, seed {seed}: outputs differ from "
-                                  f"onnxruntime: {cmp}")
+                                  f"the oracle: {cmp}")
+    if "exact_reference" in cmp:
+        assert cmp["exact_reference"]["identical"], f"{dut.app.model} on {dut.entry.id}: not the exact reference: {cmp}"
     # results% (the EnergyRunner's view) agrees with the raw output bytes
     res = dut.device.results()
     flat = np.concatenate([o.reshape(-1).astype(np.float64) for o in r["outputs"]])

@@ -292,8 +292,8 @@ def test_results_parse_the_energyrunner_float_format():
 
 def test_energyrunner_image_path_for_ic_int8(toolchain, tmp_path):  # noqa: F811
     """The runner sends IC images as uint8 with db load/db <hex>; the firmware stores v - 128 into
-    the int8 input, and the result matches onnxruntime on the int8 image bit for bit."""
-    from tinydeploy import reference
+    the int8 input, and the result equals the exact reference on the int8 image bit for bit."""
+    from tinydeploy import exact, reference
     from util import mlperf_model
     path = mlperf_model("ic_resnet8_int8.onnx")
     c = compile_model(path, get_target("cortex-m4"), board="mps2-an386")
@@ -302,7 +302,7 @@ def test_energyrunner_image_path_for_ic_int8(toolchain, tmp_path):  # noqa: F811
     name = c.graph.inputs[0]
     x = reference.random_inputs([(name, tuple(c.graph.t(name).shape), np.int8)], seed=5)[name]
     pixels = (x.astype(np.int16) + 128).astype(np.uint8).tobytes()
-    want = reference.run_onnxruntime(path.read_bytes(), {name: x})[0]
+    want = exact.run_model(path, {name: x})[0]
     with emulator.Emulator(fw.elf, fw.machine) as e:
         dev = e.device(timeout=60)
         dev.wait_boot(timeout=120)

@@ -85,16 +85,41 @@ def test_contrib_elementwise_concat_softmax(tmp_path):
     assert {"QAdd", "QGlobalAveragePool", "QDense", "QSoftmax"} <= set(ops), ops
 
 
-def test_qlinearsoftmax_scale_1_255_is_bit_exact(tmp_path):
-    """onnxruntime multiplies by floor(1 / y_scale) = 254 for y_scale = 1/255: matched exactly
-    (a float Softmax differs by 1 LSB on ~10% of elements)."""
+def test_softmax_scale_1_255_follows_the_graph(tmp_path):
+    """y_scale = 1/255: QuantizeLinear divides by the scale (the graph's meaning), where
+    onnxruntime's fused QLinearSoftmax multiplies by floor(1 / y_scale) = 254 and so lands up to
+    1 LSB lower on ~10% of the elements."""
     inits = [_c("xs", 0.1734, np.float32), _c("xz", 3, np.uint8), _c("ys", 1 / 255, np.float32), _c("yz", 0, np.uint8)]
     nodes = [helper.make_node("DequantizeLinear", ["x", "xs", "xz"], ["f"]),
              helper.make_node("Softmax", ["f"], ["s"], axis=1),
              helper.make_node("QuantizeLinear", ["s", "ys", "yz"], ["y"])]
     m = _model(nodes, [_vi("x", TP.UINT8, [4, 10, 3])], [_vi("y", TP.UINT8, [4, 10, 3])], inits)
     res = check_model_lsb(m, tmp_path, seeds=(0, 1, 2), variants=("gcc", "gcc-asan-ubsan"))
-    assert all(r["max_abs_error"] == 0 for r in res), res
+    assert all(r["max_abs_error"] <= 1 and r["identical_fraction"] >= 0.99 for r in res), res
+
+
+def test_rewrite_agrees_with_onnx_reference_evaluator(tmp_path):
+    """The QDQ form the oracle runs for QOperator models means what the QOperator model means:
+    onnx's reference evaluator on QLinearConv / QLinearMatMul themselves agrees with tinydeploy
+    except at rounding ties (which it rounds from float64 sums)."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+    from tinydeploy import exact
+    rng = np.random.default_rng(4)
+    inits = [_c("xs", 0.02, np.float32), _c("xz", 121, np.uint8), _c("w", rng.integers(-127, 128, (6, 3, 3, 3)), np.int8),
+             _c("ws", np.geomspace(1e-3, 8e-3, 6), np.float32), _c("wz", np.zeros(6), np.int8),
+             _c("ys", 0.05, np.float32), _c("yz", 7, np.uint8), _c("b", rng.integers(-2000, 2000, 6), np.int32),
+             _c("m", rng.integers(-127, 128, (8, 5)), np.int8), _c("ms", 4e-3, np.float32), _c("mz", 0, np.int8),
+             _c("os", 0.1, np.float32), _c("oz", 128, np.uint8)]
+    nodes = [helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("QLinearMatMul", ["c", "ys", "yz", "m", "ms", "mz", "os", "oz"], ["y"])]
+    m = _model(nodes, [_vi("x", TP.UINT8, [1, 3, 6, 8])], [_vi("y", TP.UINT8, [1, 6, 6, 5])], inits)
+    path = save(m, tmp_path)
+    for seed in range(3):
+        x = {"x": rng.integers(0, 256, (1, 3, 6, 8)).astype(np.uint8)}
+        want = ReferenceEvaluator(onnx.load(path)).run(None, x)[0].astype(np.int64)
+        got = exact.run_model(path, x)[0].astype(np.int64)
+        assert np.abs(got - want).max() <= 1 and (got == want).mean() >= 0.99
 
 
 # ---- refused quantisation schemes -----------------------------------------------------------

@@ -1,7 +1,10 @@
 """8-bit (QDQ) deployment: the QDQ pass, the integer kernels and the LSB comparison.
 
-Every model is built with gcc, clang and gcc+ASan/UBSan (-Werror) and compared with onnxruntime
-element by element in LSBs: all within 1 LSB and at least 99% identical (reference.compare_lsb).
+Every model is built with gcc, clang and gcc+ASan/UBSan (-Werror); each result must equal
+tinydeploy's exact reference (tinydeploy/exact.py) bit for bit, and differ from the oracle (the
+graph run node by node by onnxruntime, reference.run_oracle) only at rounding ties
+(util.check_8bit). onnxruntime's fast session, whose 8-bit kernels differ by CPU, is never the
+reference. The marked `haswell` subset also runs under `qemu-x86_64 -cpu Haswell` (tests/README.md).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from onnx import TensorProto as TP, helper, numpy_helper
 from tinydeploy import flow, ir, reference
 from tinydeploy.importer import import_model
 from tinydeploy.quant import quantize_multiplier, quantize_qdq, requantize
-from util import check_model_lsb, make_model, mlperf_model, save
+from util import check_8bit, check_model_lsb, make_model, mlperf_model, save
 
 ONNX_T = {np.dtype(np.int8): TP.INT8, np.dtype(np.uint8): TP.UINT8, np.dtype(np.int32): TP.INT32,
           np.dtype(np.float32): TP.FLOAT}
@@ -270,39 +273,40 @@ def test_qpool(case, dtype, tmp_path):
 
 
 # ---- exact .5 ties ------------------------------------------------------------------------
-# onnxruntime computes these layers in float32 (QLinearAveragePool, QLinearAdd), whose rounding
-# errors push an exact tie either way. Average pooling here follows its float32 arithmetic and
-# agrees everywhere; QAdd rounds the exact value half to even, so there (and only there) the two
-# may differ by 1 LSB. Scales with "round" ratios make such ties frequent.
+# Scales with "round" ratios make exact ties k + 1/2 frequent. tinydeploy's kernels equal the
+# exact reference there too; a float evaluation of the graph (the oracle) may round such a value
+# either way, and reference.layerwise recognises those differences as ties, nothing else.
 
-def _run_both(m, tmp_path, seed=0):
+def _run_tied(m, tmp_path, seed=0):
     path = save(m, tmp_path)
     b = flow.build(path, "host", tmp_path / "b", quiet=True)
     specs = flow.io_specs(b.summary, "inputs")
     x = reference.random_inputs(specs, seed)
     got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
-    return x, got[0].astype(np.int64), reference.run_onnxruntime(path.read_bytes(), x)[0].astype(np.int64)
+    res = check_8bit(path, x, got)
+    return x, got[0].astype(np.int64), res
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
-def test_avgpool_ties_match_onnxruntime(dtype, tmp_path):
+def test_avgpool_ties(dtype, tmp_path):
     lo, _ = qrange(dtype)
     b = QDQ(7)
     zx = lo + 17
     y = b.node("AveragePool", [b.dq("x", 0.03, zx, dtype)], kernel_shape=[4, 4], strides=[4, 4])
     m = b.model([("x", dtype, [1, 6, 12, 12])], [(b.q(y, 0.03, zx, dtype), dtype)])
     for seed in range(3):
-        x, got, want = _run_both(m, tmp_path, seed)
+        x, got, _ = _run_tied(m, tmp_path, seed)
         sums = x["x"].astype(np.int64).reshape(1, 6, 3, 4, 3, 4).sum(axis=(3, 5)) - 16 * zx
         exact = sums / 16.0                      # in LSBs, before the zero point is added
         tie = exact - np.floor(exact) == 0.5
         assert tie.any()
-        # The kernel computes as onnxruntime's QLinearAveragePool does (float32): equal at ties too.
-        assert np.array_equal(got, want), np.argwhere(got != want)
+        # float32 sums of the dequantised window land near, not on, those ties: either side is
+        # within half an LSB (which side the kernel took is the exact reference's, checked above)
+        assert np.abs((got - zx) - exact).max() <= 0.5
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.uint8], ids=["s8", "u8"])
-def test_add_ties_are_the_only_differences(dtype, tmp_path):
+def test_add_ties(dtype, tmp_path):
     lo, hi = qrange(dtype)
     b = QDQ(5)
     za, zb, zy = lo + 1, hi - 2, (lo + hi) // 2
@@ -311,10 +315,10 @@ def test_add_ties_are_the_only_differences(dtype, tmp_path):
     ra = float(np.float32(0.05) / np.float32(0.04))
     rb = float(np.float32(0.02) / np.float32(0.04))
     for seed in range(3):
-        x, got, want = _run_both(m, tmp_path, seed)
+        x, got, res = _run_tied(m, tmp_path, seed)
         exact = (x["a"].astype(np.int64) - za) * ra + (x["b"].astype(np.int64) - zb) * rb
-        tie = exact - np.floor(exact) == 0.5
-        assert np.array_equal(got[~tie], want[~tie]) and np.abs(got - want).max() <= 1
+        assert (exact - np.floor(exact) == 0.5).any()
+        assert np.array_equal(got, np.clip(np.rint(exact) + zy, lo, hi))
 
 
 # ---- data movement, float islands, graph edges --------------------------------------------
@@ -368,7 +372,8 @@ def test_float_island_softmax_and_sigmoid(dtype, tmp_path):
 
 
 def test_float_graph_edges(tmp_path):
-    """float input -> QuantizeLinear -> integer conv -> DequantizeLinear -> float output."""
+    """float input -> QuantizeLinear -> integer conv -> DequantizeLinear -> float output: the float
+    output is compared in LSBs of its scale."""
     b = QDQ(13)
     xq = b.q("x", 0.04, 3, np.int8)
     x = b.dq(xq, 0.04, 3, np.int8)
@@ -380,12 +385,9 @@ def test_float_graph_edges(tmp_path):
     path = save(m, tmp_path)
     bres = flow.build(path, "host", tmp_path / "b", quiet=True)
     assert [n.op for n in bres.compiled.graph.nodes] == ["QuantizeLinear", "QConv", "DequantizeLinear"]
-    for seed in range(3):
-        feeds = reference.random_inputs(flow.io_specs(bres.summary, "inputs"), seed)
-        got, _ = flow.execute(bres.exe, [feeds["x"]], [((1, 6, 8, 8), np.dtype(np.float32))])
-        want = reference.run_onnxruntime(path.read_bytes(), feeds)[0]
-        lsb = np.abs(got[0] - want) / np.float32(0.03)
-        assert lsb.max() <= 1.0 + 1e-3 and (lsb < 1e-3).mean() >= 0.99
+    assert bres.summary["output_lsb"] == [pytest.approx(0.03)]
+    res = check_model_lsb(path, tmp_path, seeds=(0, 1, 2), variants=("gcc",))
+    assert all(r["tolerance_unit"] == "LSB" for r in res)
 
 
 # ---- onnxruntime's own quantiser (QDQ format: uint8 activations, int8 weights) ------------
@@ -421,15 +423,8 @@ def test_onnxruntime_quantize_static_qdq(tmp_path):
     b = flow.build(qpath, "host", tmp_path / "b", quiet=True)
     ops = [n.op for n in b.compiled.graph.nodes]
     assert "QConv" in ops and "QAdd" in ops and "QDense" in ops, ops
-    # The float input and output stay float: compare within 1 LSB of the output scale.
-    qm = onnx.load(qpath)
-    last_q = [n for n in qm.graph.node if n.op_type == "DequantizeLinear" and n.output[0] == "y"]
-    scale = float(numpy_helper.to_array([i for i in qm.graph.initializer if i.name == last_q[0].input[1]][0]))
-    for seed in range(3):
-        feeds = {"x": np.random.default_rng(seed).standard_normal((1, 3, 8, 8)).astype(np.float32)}
-        got, _ = flow.execute(b.exe, [feeds["x"]], [((1, 10), np.dtype(np.float32))])
-        want = reference.run_onnxruntime(qpath.read_bytes(), feeds)[0]
-        assert np.abs(got[0] - want).max() <= scale * 1.001
+    # The float input and output stay float; the output, a DequantizeLinear, is compared in LSBs.
+    check_model_lsb(qpath, tmp_path, seeds=(0, 1, 2), variants=("gcc",))
 
 
 # ---- MLPerf Tiny int8 models end to end ---------------------------------------------------
@@ -447,7 +442,8 @@ def test_mlperf_int8(name, tmp_path):
     path = mlperf_model(name)
     res = flow.run(path, outdir=tmp_path / "run", quiet=True, latency=False)
     assert res["outputs_match"] and res["tolerance_unit"] == "LSB", res
-    assert res["max_abs_error"] <= 1 and res["identical_fraction"] >= 0.99, res
+    assert res["max_abs_error"] <= 1 and res["exact_reference"]["identical"], res
+    assert set(res["onnxruntime_fast"]) == {"max_lsb", "identical_fraction", "note"}, res
     assert res["memory"]["arena_bytes"] == MLPERF_INT8[name] == res["memory"]["lower_bound_bytes"], res["memory"]
     b = flow.build(path, "host", tmp_path / "run", quiet=True, reuse=True)
     notes = " ".join(b.summary["notes"])
@@ -463,14 +459,16 @@ def test_fp32_comparison_unchanged():
 
 
 def test_lsb_comparison():
+    """Every element within 1 LSB matches, whatever the share of identical elements (a 2-element
+    output one LSB off is within the promise); 2 LSB does not."""
     want = [np.zeros(200, np.int8)]
     got = np.zeros(200, np.int8)
     got[0] = 1
     res = reference.compare_outputs([got], want, 1e-4)
     assert res["outputs_match"] and res["max_abs_error"] == 1 and res["identical_fraction"] == 0.995
-    got[1] = -1
-    got[2] = 1
-    assert not reference.compare_lsb([got], want)["outputs_match"]     # 98.5% identical
-    got[:] = 0
+    got[:] = 1
+    res = reference.compare_lsb([got], want)
+    assert res["outputs_match"] and res["identical_fraction"] == 0.0
+    assert reference.compare_lsb([np.array([122, -122], np.int8)], [np.array([121, -121], np.int8)])["outputs_match"]
     got[0] = 2
     assert not reference.compare_lsb([got], want)["outputs_match"]     # 2 LSB

@@ -316,9 +316,9 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
         got, instructions, details = mcu.run_firmware(b.firmware, [feeds[n] for n, _, _ in specs], out_specs)
     else:
         got, _ = ex(b.exe, [feeds[n] for n, _, _ in specs], out_specs, runs=0)
-    want = reference.run_onnxruntime(reference_model_bytes(model), feeds)
-    # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs
-    cmp = reference.compare_outputs(got, want, FP32_RTOL, b.summary.get("output_lsb"))
+    # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs against the oracle
+    cmp = reference.check_outputs(model, reference_model_bytes(model), feeds, got, FP32_RTOL,
+                                  b.summary.get("output_lsb"), input_shapes)
     result = {"model": model.name, "board": board_id, **cmp, "macs": b.summary["macs"],
               "latency": {"median_ms": None, "runs": 0},
               "memory": {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
@@ -379,8 +379,8 @@ def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, 
         dev.wait_boot(timeout=timeout)
         got, counts, stack_used = mcu.infer_on_device(dev, b.firmware.memory, [feeds[n] for n, _, _ in specs],
                                                       out_specs, runs=runs)
-    want = reference.run_onnxruntime(reference_model_bytes(model), feeds)
-    cmp = reference.compare_outputs(got, want, FP32_RTOL, b.summary.get("output_lsb"))
+    cmp = reference.check_outputs(model, reference_model_bytes(model), feeds, got, FP32_RTOL,
+                                  b.summary.get("output_lsb"), input_shapes)
     lat = {"runs": counts.runs, "median_ms": counts.ticks_per_run / counts.tick_hz * 1000.0}
     if counts.count_unit == "instructions":
         lat["instructions"] = counts.count_min

@@ -24,8 +24,8 @@ arithmetic QLinearConv specifies. The other operators follow the same pattern (Q
 in units of alpha s_a s_b: it becomes DQ(C, s_a s_b) with Gemm beta = alpha). Operators that
 have no integer kernel (Sigmoid, LeakyRelu) become float islands DQ -> op -> Q, which is their
 definition too; onnxruntime evaluates some of them with lookup tables, which may round
-differently by an LSB. QLinearSoftmax becomes DQ -> Softmax -> Q, which the QDQ pass runs by
-onnxruntime's own QLinearSoftmax method (quant.softmax_table).
+differently by an LSB. QLinearSoftmax becomes DQ -> Softmax -> Q, which the QDQ pass runs on
+the integers (quant.softmax_table).
 
 Standard operators that QOperator models apply to 8-bit tensors directly keep doing so
 (Reshape, Transpose, ... run on the integers); MaxPool, which has no 8-bit kernel of its own,

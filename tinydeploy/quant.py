@@ -13,7 +13,7 @@ whose requantisation constants are computed here, at build time:
   data movement    DQ(x) -> Reshape/Transpose/Slice/Concat/... -> Q with equal scale and zero
                    point: the op itself runs on the integers (a copy or a view)
   QRequantize      DQ(x) [-> Relu/Clip] -> Q: a change of scale / zero point / type, clamped
-  QSoftmax         DQ(x) -> Softmax -> Q (same 8-bit type): onnxruntime's QLinearSoftmax method
+  QSoftmax         DQ(x) -> Softmax -> Q (same 8-bit type): a float32 table of exponentials
 
 QOperator models (QLinearConv, com.microsoft QLinearAdd, ...) reach this pass in QDQ form
 (tinydeploy/qoperator.py rewrites them on import). Refused with a reason (`scheme_problem`):
@@ -527,12 +527,10 @@ def _match_pool(ctx: _Ctx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node |
 
 
 def softmax_table(x_scale: float, n: int) -> list[float]:
-    """The float32 exponential table and output multiplier of onnxruntime's QLinearSoftmax
-    (contrib_ops/cpu/quantization/qlinear_softmax.cc), which it also runs for DQ -> Softmax -> Q:
-    table[i] = float(exp((i - 255 + b) * s_x)) in double, b = max(0, ln(FLT_MAX / n) - 5) / s_x (a
-    shift that keeps the sum of n entries finite); output = nearbyint(table[x - max + 255] * Y / sum)
-    + zp with Y = floor(1 / s_y) in float32. Note Y: for s_y = 1/255 (float32 slightly above
-    1/255) Y is 254, not 255, so onnxruntime's results are up to 1 LSB below a float Softmax."""
+    """The float32 exponentials of QSoftmax: table[i] = float32(exp((i - 255 + b) * s_x)) computed
+    in double, for the 256 possible values of x - max (i = x - max + 255). b = max(0, ln(FLT_MAX /
+    n) - 5) / s_x shifts every entry by the same factor e^(b s_x), which cancels in e_k / sum but
+    keeps entries from underflowing to 0 for large s_x and the sum of n entries finite."""
     xs = float(np.float32(x_scale))
     b = max(0.0, math.log(float(np.finfo(np.float32).max) / n) - 5.0) / xs
     table = [float(np.float32(math.exp((i - 255 + b) * xs))) for i in range(256)]
@@ -540,8 +538,9 @@ def softmax_table(x_scale: float, n: int) -> list[float]:
 
 
 def _match_softmax(ctx: _Ctx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | None:
-    """DQ -> Softmax -> Q, as onnxruntime executes it (its QLinearSoftmax, see softmax_table), so
-    the two agree bit for bit; a float Softmax differs from it by 1 LSB on many elements."""
+    """DQ -> Softmax -> Q on the integers: e_k from a float32 table of exponentials
+    (softmax_table), p_k = e_k / sum in float32, y_k = QuantizeLinear(p_k) = rint(p_k / s_y) + zy
+    (docs/quantization.md)."""
     g = ctx.g
     x = ctx.runtime(p.inputs[0])
     if x is None or x.dtype != yq.dtype or not math.isfinite(float(x.s)) or not (float(x.s) > 0):
@@ -553,12 +552,10 @@ def _match_softmax(ctx: _Ctx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Nod
     ax = ax + len(shape) if ax < 0 else ax
     if not 0 <= ax < len(shape) or shape[ax] < 1:
         return None
-    table = softmax_table(float(x.s), int(shape[ax]))
-    inv = np.float32(np.float32(1.0) / np.float32(yq.s))
-    if not np.isfinite(inv):
+    if not math.isfinite(float(yq.s)) or not (float(yq.s) > 0):
         return None
-    y_mult = float(np.float32(math.floor(inv)))
-    attrs = {"axis": ax, "_q": {"table": table, "y": y_mult, "zy": yq.z, "lo": lo, "hi": hi}}
+    table = softmax_table(float(x.s), int(shape[ax]))
+    attrs = {"axis": ax, "_q": {"table": table, "xs": float(x.s), "ys": float(yq.s), "zy": yq.z, "lo": lo, "hi": hi}}
     return ir.Node("QSoftmax", p.name, [x.src], [yq.src], attrs, onnx_op=p.onnx_op)
 
 

@@ -121,14 +121,12 @@ def _pool_check(node, g):
 
 
 def avg_float_params(q: dict, x_dtype, window: int) -> dict:
-    """Average pooling the way onnxruntime's QLinearAveragePool / QLinearGlobalAveragePool compute
-    it (which it also runs for DQ -> AveragePool -> Q), so that both agree bit for bit, including
-    at exact .5 ties:
-      window:  y = nearbyint(fl(fl(sum of DQ[x] in window order) / count) / s_y + zy), DQ[x] =
+    """The float32 constants of 8-bit average pooling (docs/quantization.md):
+      window:  y = nearbyint(fl(fl(sum of DQ[x] in window order) / count) / s_y) + zy, DQ[x] =
                fl(s_x * (x - zx)), a 256-entry table (a table so that no compiler contracts
                the products into the sum);
       global:  y = nearbyint(fl(float(sum x - n zx) * R)) + zy, R = fl(s_x / fl(s_y * n)).
-    All float32, round half to even."""
+    All float32, round half to even, the zero point added after rounding as QuantizeLinear does."""
     xs, ys = np.float32(q["xs"]), np.float32(q["ys"])
     info = np.iinfo(x_dtype)
     vals = [i if info.min == 0 or i < 128 else i - 256 for i in range(256)]
@@ -184,13 +182,14 @@ register("QGlobalMaxPool", check=_pool_check)(_qglobal)
 
 @register("QSoftmax", check=_qcheck)
 def emit_qsoftmax(node: ir.Node, g: ir.Graph) -> Kernel:
-    """Softmax on 8-bit integers by onnxruntime's QLinearSoftmax method (quant.softmax_table)."""
+    """Softmax on 8-bit integers: a table of exponentials, then QuantizeLinear of e / sum
+    (quant.softmax_table)."""
     x = g.t(node.inputs[0])
     ax = node.attrs["axis"]
     q = node.attrs["_q"]
     p = dict(_types(g, node), outer=int(np.prod(x.shape[:ax], dtype=np.int64)), n=int(x.shape[ax]),
              inner=int(np.prod(x.shape[ax + 1:], dtype=np.int64)), table=[c_float(v) for v in q["table"]],
-             Y=c_float(q["y"]), ZY=q["zy"], LO=q["lo"], HI=q["hi"])
+             YS=c_float(q["ys"]), ZY=q["zy"], LO=q["lo"], HI=q["hi"])
     return Kernel("qsoftmax", dtype_tag(x.dtype), p, [node.inputs[0], node.outputs[0]],
                   desc=f"over axis {ax} of {list(x.shape)}")
 
