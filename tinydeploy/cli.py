@@ -1,5 +1,6 @@
-"""Command line: `tinydeploy build|run|inspect|boards|bench`. Parses, calls tinydeploy.flow,
-prints. Every expected failure is a TinydeployError: one line on stderr, exit code 2."""
+"""Command line: `tinydeploy build|run|inspect|boards|bench|doctor|...`. Parses, calls
+tinydeploy.flow (doctor: tinydeploy.doctor), prints. Every expected failure is a TinydeployError:
+one line on stderr, exit code 2."""
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,22 @@ def _threads(p: argparse.ArgumentParser) -> None:
                    help="Linux boards: run each layer on up to N OpenMP threads (default 1)")
 
 
+class _Version(argparse.Action):
+    """--version: tinydeploy's version, the reference stack's and the CPU features (for bug reports)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from tinydeploy import doctor
+        print("\n".join(doctor.format_version(doctor.summary())))
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tinydeploy", description="ONNX models to static-memory C for MCUs, SBCs and the host.")
-    ap.add_argument("--version", action="version", version=f"tinydeploy {__version__}")
+    ap.add_argument("--version", action=_Version, help=f"tinydeploy {__version__}: with the versions of onnx, "
+                    "onnxruntime, numpy, ... and the CPU features that decide 8-bit results; then exit")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("build", help="generate the C project and compile it")
     _common(p)
@@ -94,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("builddir", nargs="?", help="the project folder `tinydeploy build` wrote")
     p.add_argument("--board", required=True)
     p.add_argument("--port", help="serial port of the board (default: PlatformIO finds it)")
+    p = sub.add_parser("doctor", help="versions of tinydeploy, Python and the reference stack, the CPU and its "
+                       "features, the external tools, and whether the installed packages match constraints.txt")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     sub.add_parser("boards", help="list the known boards")
     sub.add_parser("ops", help="list the supported ONNX operators")
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
@@ -142,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args, command: str) -> int:
+    if args.cmd == "doctor":   # before the pipeline's imports: it also reports a broken onnx install
+        from tinydeploy import doctor
+        r = doctor.report()
+        print(json.dumps(r)) if args.json else print("\n".join(doctor.format_report(r)))
+        return 0
     from tinydeploy import boards, flow, importer
     shapes = importer.parse_shape_overrides(getattr(args, "input_shape", None))
     if args.cmd == "boards":
