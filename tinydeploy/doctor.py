@@ -65,7 +65,8 @@ def int8_note(machine: str, features: dict[str, bool]) -> str:
         return ("x86 with VNNI: onnxruntime's u8 x s8 fast kernels sum 8-bit products in 32 bits (no "
                 "saturating 16-bit pairs)")
     return ("x86 without VNNI: onnxruntime's u8 x s8 fast kernels add products in saturating 16-bit pairs, "
-            "so its fast session's 8-bit results can differ from exact integer arithmetic on this machine")
+            "so its fast session's 8-bit results can differ from exact integer arithmetic on this machine "
+            "(tinydeploy's 8-bit oracle runs the graph node by node instead; see docs/quantization.md)")
 
 
 def summary() -> dict:
