@@ -26,45 +26,13 @@ kernel, and the float operators between them run as usual (a "float island", e.g
 Softmax between different 8-bit types); graph.notes says so. A DQ of a constant that a float
 operator still uses is folded into a float32 constant.
 
-Integer arithmetic (see `requantize` for the exact rule the C kernels follow):
-  acc   = bias' + sum x * w'          int32; w' = w - zp_w; bias' = bias - zp_x * sum(w')
-                                       (zp_x folded at build time wherever no padding is read)
-  y     = clamp(zp_y + round(acc * r), lo, hi),  r = s_x * s_w[c] / s_y
-  r     = M * 2**-S with 2**30 <= M < 2**31 (exact for a float32 r), per output channel
-  round = round half to even, the rounding of ONNX QuantizeLinear (nearbyint), i.e. the exact
-          value of acc * r rounded, ties to even.
-r is computed in float32 as (s_x * s_w) / s_y, the float32 value a float implementation of the
-requantisation would use; M then holds it exactly. QConv and QDense do not round the exact
-acc * r, though: they compute what onnxruntime's QLinearConv / QGemm / QLinearMatMul compute
-(float32(acc) * r in float32, rounded half to even; `requant_f32` in
-firmware_templates/kernels/_requant.j2, r rebuilt exactly from M and S), because the float32
-rounding of the product moves values within ~1e-7 relative of k + 1/2 (e.g. 197.4999930 ->
-197.5 -> 198), about 1 element in 10^4, and in a deep network such a flip spreads. (On the
-Cortex-M4F this epilogue is also cheaper: KWS int8 18.0 M instead of 19.6 M instructions.) Likewise average pooling follows
-QLinearAveragePool / QLinearGlobalAveragePool (float32 sums; ops/quantized.avg_float_params) and
-Softmax QLinearSoftmax (a float32 table; `softmax_table`), so exact .5 ties agree too. QAdd and
-QRequantize still round the exact value (half to even).
-
-What remains: onnxruntime on x86 does not fuse int8-activation (S8S8) Conv / MatMul groups
-(its QDQIsInt8Allowed() is false off ARM) and runs DQ -> float32 Conv -> Q; its float32
-convolution moves values within ~1e-5 of k + 1/2 by one LSB (measured: 2 of 16384 outputs of
-the first IC int8 conv, at 29.4999994 and 78.5000164), and QLinearAdd computes in float32.
-
-Measured against onnxruntime 1.31 (CPU, x86, default optimisations):
-  * single layers (tests/test_quantized.py): Conv in 16 geometries x int8/uint8 (extreme zero
-    points, saturation, per-channel scales 1000x apart, weight zero points, 1e-9 scales), Dense,
-    pools, data movement, Softmax: identical (uint8 Conv: all 16 cases, 5 inputs each), except
-    int8 Conv, which onnxruntime runs in float32 (2 of 16 cases, <= 0.5% of elements, 1 LSB),
-    and QAdd at exact .5 ties.
-  * uint8 models made by `tinydeploy quantize` (tests/test_uint8_models.py), QDQ and QOperator
-    form: MLPerf Tiny IC, KWS, VWW, AD (10 inputs each) and ResNet-18 (3 inputs): identical.
-  * MLPerf Tiny int8 models, 30 random inputs each: AD, KWS, VWW identical on every input; IC
-    (ResNet-8) identical on 25 of 30, on the other 5 one of the 10 softmax outputs differs by
-    1 LSB. Traced layer by layer, every divergence starts at a Conv that onnxruntime runs in
-    float32 (int8 activations are not fused on x86), on an element within ~1e-5 of k + 1/2;
-    the flip spreads through the residual blocks and moves a logit. Before QConv / QDense
-    followed onnxruntime's float32 requantisation and QSoftmax its table, the same 5 inputs
-    differed by 1-4 LSB.
+The arithmetic of every integer operator, its rounding and its float32 steps, is defined in
+docs/quantization.md; tinydeploy/exact.py implements that definition in numpy, and every kernel
+variant is tested against it bit for bit. In short: int32 accumulators on w - zw, the input
+zero point folded into the bias where no padding is read; the multiplier r = s_x s_w / s_y
+(float32, as a float implementation forms it) held exactly as M * 2**-S; QConv / QDense round
+f32(f32(acc) * r), QAdd / QRequantize round the exact acc * M / 2**S; ties to even, the zero
+point added after rounding, as QuantizeLinear does.
 """
 from __future__ import annotations
 
@@ -100,21 +68,6 @@ def quantize_multiplier(r: float) -> tuple[int, int]:
     if s < 1:
         m, s = (1 << 31) - 1, 1
     return m, s
-
-
-def requantize(acc, m, s, zp: int, lo: int, hi: int) -> np.ndarray:
-    """numpy model of the C epilogue: clamp(zp + round_half_even(acc * m / 2**s), lo, hi).
-    acc, m, s broadcast; uses Python integers so nothing overflows."""
-    acc, m, s = np.broadcast_arrays(np.asarray(acc, dtype=object), np.asarray(m, dtype=object),
-                                    np.asarray(s, dtype=object))
-    out = np.empty(acc.shape, dtype=np.int64)
-    for idx in np.ndindex(acc.shape):
-        p = int(acc[idx]) * int(m[idx])
-        sh = int(s[idx])
-        q, rem, half = p >> sh, p & ((1 << sh) - 1), 1 << (sh - 1)
-        q += int(rem > half or (rem == half and (q & 1)))
-        out[idx] = min(max(q + zp, lo), hi)
-    return out
 
 
 def ties_possible(acc_bound, m, s) -> bool:
