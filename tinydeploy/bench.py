@@ -32,12 +32,12 @@ def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float, threads: in
     return statistics.median(times) * 1000.0, runs
 
 
-def bench_mcu(models: list[str], board: str, as_json: bool) -> list[dict]:
+def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=None) -> list[dict]:
     """Microcontroller boards, under QEMU: exact instructions per inference (the figure to
     optimise on Cortex-M), MACs per instruction, arena, flash and RAM."""
     rows = []
     for m in models:
-        r = flow.run(Path(m), board, quiet=as_json, emulate=True)
+        r = flow.run(Path(m), board, quiet=as_json, emulate=True, max_weights_bytes=max_weights_bytes)
         macs = r["macs"]
         ins = r["latency"]["instructions"]
         rows.append({"model": Path(m).name, "board": board, "instructions": ins, "macs": macs,
@@ -57,15 +57,15 @@ def bench_mcu(models: list[str], board: str, as_json: bool) -> list[dict]:
 
 
 def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
-          threads: int = 1) -> list[dict]:
+          threads: int = 1, max_weights_bytes=None) -> list[dict]:
     from tinydeploy import boards
     flow.check_threads(boards.get_board(board), threads)
     if boards.get_board(board)["kind"] == "mcu":
-        return bench_mcu(models, board, as_json)
+        return bench_mcu(models, board, as_json, max_weights_bytes)
     rows = []
     for m in models:
         path = Path(m)
-        b = flow.build(path, board, reuse=True, quiet=as_json, threads=threads)
+        b = flow.build(path, board, reuse=True, quiet=as_json, threads=threads, max_weights_bytes=max_weights_bytes)
         specs = flow.io_specs(b.summary, "inputs")
         feeds = reference.random_inputs(specs, 0)
         out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
@@ -96,7 +96,7 @@ def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json:
 
 
 def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
-                 emulate: bool = False, threads: int = 1) -> list[dict]:
+                 emulate: bool = False, threads: int = 1, max_weights_bytes=None) -> list[dict]:
     """`bench --layers`: each layer's algorithm, MACs, median time, GFLOP/s and share of the time,
     from a build with -DTD_PROFILE (the harness times every layer of every timed run), so the
     next bottleneck is visible. SBC boards run under qemu-aarch64 with --emulate: those times are
@@ -112,7 +112,8 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
     for m in models:
         path = Path(m)
         outdir = flow.default_outdir(path, board + ("-emulated" if prefix else "") + "-profile")
-        b = flow.build(path, board, outdir, reuse=True, quiet=as_json, extra_cflags=["-DTD_PROFILE"], threads=threads)
+        b = flow.build(path, board, outdir, reuse=True, quiet=as_json, extra_cflags=["-DTD_PROFILE"], threads=threads,
+                       max_weights_bytes=max_weights_bytes)
         specs = flow.io_specs(b.summary, "inputs")
         feeds = reference.random_inputs(specs, 0)
         x = [feeds[n] for n, _, _ in specs]

@@ -49,7 +49,9 @@ def prepare_outdir(outdir: Path, force: bool) -> dict:
 
 def write_project(outdir: Path, files: dict[str, str], key: str) -> None:
     for name, text in files.items():
-        (outdir / name).write_text(text)
+        with open(outdir / name, "w") as fh:
+            for i in range(0, len(text), 64 << 20):   # in slices: a 1 GB weights file is never
+                fh.write(text[i:i + (64 << 20)])       # encoded whole a second time
     (outdir / MARKER).write_text(json.dumps({"tool": "tinydeploy", "version": __version__, "key": key,
                                              "files": sorted(files)}, indent=1) + "\n")
 

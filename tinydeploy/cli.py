@@ -22,6 +22,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="pin an input's shape (repeatable); a symbolic batch dimension defaults to 1")
     p.add_argument("-o", "--outdir", help="output folder (default build/<model>-<board>)")
     p.add_argument("--force", action="store_true", help="write into a non-empty folder tinydeploy did not create")
+    _max_weights(p)
+
+
+def _max_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-weights-bytes", metavar="SIZE",
+                   help="the most bytes of constants a model may make (its weights and what constant folding "
+                   "computes), e.g. 2G or 512M (default: $TINYDEPLOY_MAX_WEIGHTS_BYTES, else this machine's "
+                   "available memory / the build's memory per weight byte)")
 
 
 def _threads(p: argparse.ArgumentParser) -> None:
@@ -65,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="operator table, shapes, MACs, parameters, unsupported operators")
     p.add_argument("model")
     p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224")
+    _max_weights(p)
     p = sub.add_parser("quantize", help="8-bit static quantisation by onnxruntime, with an accuracy report")
     p.add_argument("model")
     p.add_argument("--calibration", required=True, help=".npz/.npy file or a folder of them")
@@ -75,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax")
     p.add_argument("--format", choices=["qdq", "qoperator"], default="qdq")
     p.add_argument("--json", action="store_true")
+    _max_weights(p)
     p = sub.add_parser("measure", help="run against a board already flashed with the model, over serial; "
                        "Linux boards: on this machine, with --energy from a Jetson's power rails")
     _common(p)
@@ -123,6 +133,7 @@ def parser() -> argparse.ArgumentParser:
                    "of the time (a build with -DTD_PROFILE)")
     p.add_argument("--emulate", action="store_true", help="with --layers: run an SBC board's build under "
                    "qemu-aarch64 (times labelled emulated)")
+    _max_weights(p)
     p = sub.add_parser("tune", help="measure kernel candidates per layer shape, keep the fastest in the "
                        "target's tuning database")
     p.add_argument("models", nargs="+")
@@ -135,6 +146,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh", metavar="USER@HOST", help="measure on this Linux board over ssh")
     p.add_argument("--port", type=int, help="ssh port")
     p.add_argument("--identity", help="ssh private key")
+    _max_weights(p)
     return ap
 
 
@@ -164,8 +176,10 @@ def _dispatch(args, command: str) -> int:
         r = doctor.report()
         print(json.dumps(r)) if args.json else print("\n".join(doctor.format_report(r)))
         return 0
-    from tinydeploy import boards, flow, importer
+    from tinydeploy import boards, flow, importer, limits
     shapes = importer.parse_shape_overrides(getattr(args, "input_shape", None))
+    mwb = getattr(args, "max_weights_bytes", None)
+    mwb = limits.parse_size(mwb) if mwb is not None else None   # bytes, passed down explicitly
     if args.cmd == "boards":
         for b in boards.load_all().values():
             mem = ""
@@ -187,15 +201,15 @@ def _dispatch(args, command: str) -> int:
             raise TinydeployError(f"{printable(str(out))} exists; choose another -o (tinydeploy never overwrites "
                                   "your files)")
         r = q.quantize(args.model, args.calibration, out, args.activations, args.weights, args.per_channel,
-                       args.method, args.format, quiet=args.json)
+                       args.method, args.format, quiet=args.json, max_weights_bytes=mwb)
         print(json.dumps(r)) if args.json else q.print_report(r)
         return 0
     if args.cmd == "build":
         model = args.model
         if args.quantize:
-            model = _quantize_for_build(args)
+            model = _quantize_for_build(args, mwb)
         r = flow.build(model, args.board, args.outdir, args.force, shapes, command, emulate=args.emulate,
-                       builder=args.builder, threads=args.threads)
+                       builder=args.builder, threads=args.threads, max_weights_bytes=mwb)
         if args.quantize:
             import shutil
             shutil.copyfile(model, r.outdir / Path(model).name)   # keep the model the C was made from
@@ -203,7 +217,7 @@ def _dispatch(args, command: str) -> int:
         return 0
     if args.cmd == "run":
         res = flow.run(args.model, args.board, args.inputs, args.seed, shapes, args.outdir, args.force, command,
-                       emulate=args.emulate, threads=args.threads)
+                       emulate=args.emulate, threads=args.threads, max_weights_bytes=mwb)
         if args.json:
             print(json.dumps(res))
         else:
@@ -213,14 +227,14 @@ def _dispatch(args, command: str) -> int:
         res = flow.measure(args.model, args.board, args.port, args.inputs, args.seed, shapes, args.outdir,
                            args.force, command, quiet=args.json, runs=args.runs,
                            timeout=args.timeout, energy=args.energy, sysfs_root=args.sysfs_root,
-                           emulate=args.emulate)
+                           emulate=args.emulate, max_weights_bytes=mwb)
         print(json.dumps(res)) if args.json else _print_run(res)
         return 0 if res["outputs_match"] else 1
     if args.cmd == "deploy":
         from tinydeploy.deploy import deploy
         res = deploy(args.model, args.board, args.ssh, args.port, args.identity, args.remote_dir, args.runs,
                      args.inputs, args.seed, shapes, args.outdir, args.force, command, quiet=args.json,
-                     ssh_options=args.ssh_option, threads=args.threads)
+                     ssh_options=args.ssh_option, threads=args.threads, max_weights_bytes=mwb)
         print(json.dumps(res)) if args.json else _print_run(res)
         return 0 if res["outputs_match"] else 1
     if args.cmd == "flash":
@@ -238,24 +252,24 @@ def _dispatch(args, command: str) -> int:
         return 0
     if args.cmd == "inspect":
         from tinydeploy.inspect import inspect_model
-        print(inspect_model(args.model, shapes))
+        print(inspect_model(args.model, shapes, mwb))
         return 0
     if args.cmd == "bench":
         from tinydeploy.bench import bench, bench_layers
         if args.layers:
-            bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads)
+            bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads, mwb)
         else:
-            bench(args.models, args.board, args.seconds, args.json, args.threads)
+            bench(args.models, args.board, args.seconds, args.json, args.threads, mwb)
         return 0
     if args.cmd == "tune":
         from tinydeploy.tune import tune
         tune(args.models, args.board, args.db, args.jobs, args.resume, args.seconds, args.ssh, args.port,
-             args.identity)
+             args.identity, max_weights_bytes=mwb)
         return 0
     raise TinydeployError(f"unknown command {args.cmd}")
 
 
-def _quantize_for_build(args) -> str:
+def _quantize_for_build(args, max_weights_bytes=None) -> str:
     """`build --quantize`: quantise into a private temporary folder, print the accuracy report."""
     import tempfile
     from tinydeploy import quantize as q
@@ -264,7 +278,8 @@ def _quantize_for_build(args) -> str:
                               "models/make_calibration.py)")
     tmp = Path(tempfile.mkdtemp(prefix="tinydeploy-q-"))
     out = tmp / f"{Path(args.model).stem[:64]}_{args.quantize}.onnx"
-    rep = q.quantize(args.model, args.calibration, out, args.quantize, "int8", True)
+    rep = q.quantize(args.model, args.calibration, out, args.quantize, "int8", True,
+                     max_weights_bytes=max_weights_bytes)
     q.print_report(rep)
     return str(out)
 

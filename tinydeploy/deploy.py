@@ -90,7 +90,7 @@ class RemoteExecutor:
 def deploy(model, board_id: str, ssh: str, port: int | None = None, identity: str | None = None,
            remote_dir: str | None = None, runs: int | None = None, inputs=None, seed: int = 0, input_shapes=None,
            outdir=None, force: bool = False, command: str = "", quiet: bool = False,
-           ssh_options: list[str] | tuple[str, ...] = (), threads: int = 1) -> dict:
+           ssh_options: list[str] | tuple[str, ...] = (), threads: int = 1, max_weights_bytes=None) -> dict:
     """Cross-build, run on the board over ssh, compare with onnxruntime: flow.run's report plus
     "remote" (where it ran)."""
     board = boards.get_board(board_id)
@@ -111,6 +111,7 @@ def deploy(model, board_id: str, ssh: str, port: int | None = None, identity: st
     with remote.tempdir(remote_dir) as d:
         log(f"running in {d} on {remote.target}")
         res = flow.run(model, board_id, inputs, seed, input_shapes, outdir, force, command, quiet=quiet,
-                       extra_cflags=extra, executor=RemoteExecutor(remote, d), runs=runs, threads=threads)
+                       extra_cflags=extra, executor=RemoteExecutor(remote, d), runs=runs, threads=threads,
+                       max_weights_bytes=max_weights_bytes)
     res["remote"] = {"target": remote.target, "machine": machine, "dir": d, "dir_removed": remote_dir is None}
     return res

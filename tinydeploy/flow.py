@@ -2,6 +2,7 @@
 board, run it against onnxruntime, benchmark it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import subprocess
@@ -47,7 +48,8 @@ def default_outdir(model: Path, board: str) -> Path:
 class BuildResult:
     outdir: Path
     exe: Path | None              # host/Linux harness binary, or the firmware ELF of an MCU
-    compiled: Compiled | None     # None when an up-to-date build was reused
+    compiled: Compiled | None     # None when an up-to-date build was reused; host and Linux boards:
+                                  # files is empty, the C is in outdir
     reused: bool
     summary: dict
     firmware: object = None       # mcu.Firmware for microcontroller boards
@@ -80,13 +82,14 @@ def layer_table(c: Compiled) -> list[list]:
 
 
 def build_mcu(model: Path, board: dict, outdir: Path, force: bool, input_shapes, command: str, log,
-              emulate: bool, builder: str) -> BuildResult:
+              emulate: bool, builder: str, max_weights_bytes=None) -> BuildResult:
     """Microcontroller boards: the model's C plus the firmware harness and the board's port, as a
     project with a Makefile and a platformio.ini, built offline; refused with numbers if too big."""
     from tinydeploy import mcu
     log(f"compiling {printable(model.name)} for {board['id']}{' (emulated)' if emulate else ''}")
     target = get_target(board["target"])
-    c = compile_model(model, target, input_shapes, command=command, board=board["id"])
+    c = compile_model(model, target, input_shapes, command=command, board=board["id"],
+                      max_weights_bytes=max_weights_bytes)
     log(f"building firmware with {builder} in {outdir}")
     fw = mcu.build_firmware(c.files, board["id"], outdir, emulate=emulate, force=force, builder=builder)
     summary = _summary(model, board["id"], outdir, c, sorted(p.name for p in outdir.iterdir()))
@@ -97,7 +100,10 @@ def build_mcu(model: Path, board: dict, outdir: Path, force: bool, input_shapes,
 
 def build(model, board_id: str = "host", outdir=None, force: bool = False, input_shapes=None,
           command: str = "", reuse: bool = False, quiet: bool = False, extra_cflags=None, cc=None,
-          emulate: bool = False, builder: str | None = None, threads: int = 1) -> BuildResult:
+          emulate: bool = False, builder: str | None = None, threads: int = 1,
+          max_weights_bytes=None) -> BuildResult:
+    """`max_weights_bytes`: the weights budget (bytes; None: TINYDEPLOY_MAX_WEIGHTS_BYTES, else
+    sized against this machine's memory; see tinydeploy.limits)."""
     model = Path(model)
     board = boards.get_board(board_id)
     check_threads(board, threads)
@@ -109,7 +115,8 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
         raise TinydeployError(f"model file {printable(str(model))!r} does not exist or is not a file")
     if board["kind"] == "mcu":
         return build_mcu(model, board, outdir, force, input_shapes, command, log, emulate,
-                         builder or ("make" if emulate or board["runner"] == "qemu-system" else "pio"))
+                         builder or ("make" if emulate or board["runner"] == "qemu-system" else "pio"),
+                         max_weights_bytes)
     from tinydeploy.importer import sha256_file
     key = bld.build_key(sha256_file(model), board_id,
                         {"shapes": sorted((k, list(v)) for k, v in (input_shapes or {}).items()),
@@ -121,7 +128,8 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
         log(f"reusing up-to-date build in {outdir}")
         return BuildResult(outdir, exe, None, True, previous["summary"])
     log(f"compiling {printable(model.name)} for {board_id}")
-    c = compile_model(model, target, input_shapes, command=command, board=board_id, threads=threads)
+    c = compile_model(model, target, input_shapes, command=command, board=board_id, threads=threads,
+                      max_weights_bytes=max_weights_bytes)
     fast = select.describe(c.kernels, fast_only=True)
     for line in fast:
         log(printable(line, 160))
@@ -136,6 +144,10 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
     bld.write_project(outdir, files, "")
     size = sum(len(t) for t in files.values())
     log(f"wrote {len(files)} files ({size / 1e6:.1f} MB of C) to {outdir}; compiling")
+    # The C is on disk: let go of its text before the compiler runs. A 400 MB weight is 0.5 to 1.7 GB
+    # of C, and the compiler needs ~3.3 bytes per character of it for itself (tinydeploy/limits.py).
+    del files
+    c = dataclasses.replace(c, files={})
     exe = bld.compile_host(outdir, target, extra_cflags, cc)
     # Record the key last, so an interrupted build is never taken for an up-to-date one.
     import json
@@ -287,7 +299,7 @@ def runner_prefix(board: dict, emulate: bool) -> list[str]:
 def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=None, outdir=None,
         force: bool = False, command: str = "", quiet: bool = False, extra_cflags=None, cc=None,
         latency: bool = True, emulate: bool = False, executor=None, runs: int | None = None,
-        seconds: float = 1.0, threads: int = 1) -> dict:
+        seconds: float = 1.0, threads: int = 1, max_weights_bytes=None) -> dict:
     """Build, run on the inputs, compare with onnxruntime, time. `executor(exe, feeds, out_specs,
     runs=N) -> (outputs, median ms or None)` runs a Linux board's harness elsewhere (deploy: over
     ssh; measure --energy: while sampling power); default: here, natively or under QEMU. `runs`
@@ -304,7 +316,8 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
     ex = executor or functools.partial(execute, prefix=prefix)
     emulated = emulate and board["kind"] == "linux" and board_id != "host"
     b = build(model, board_id, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
-              extra_cflags=extra_cflags, cc=cc, emulate=emulate, threads=threads)
+              extra_cflags=extra_cflags, cc=cc, emulate=emulate, threads=threads,
+              max_weights_bytes=max_weights_bytes)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
@@ -349,7 +362,8 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
 
 def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
             force: bool = False, command: str = "", quiet: bool = False, runs: int | None = None,
-            timeout: float = 60.0, energy: bool = False, sysfs_root="/", emulate: bool = False) -> dict:
+            timeout: float = 60.0, energy: bool = False, sysfs_root="/", emulate: bool = False,
+            max_weights_bytes=None) -> dict:
     """The `run` flow against a board that already runs this model's firmware, over a serial port
     (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests). Linux boards are
     measured on this machine instead, with --energy from their power rails (energy.measure_local)."""
@@ -363,7 +377,8 @@ def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, 
                                   f"(or here with --emulate), or from here with `tinydeploy deploy --ssh user@host`")
         from tinydeploy import energy as en
         return en.measure_local(model, board_id, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
-                                input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet)
+                                input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet,
+                                max_weights_bytes=max_weights_bytes)
     if energy:
         raise TinydeployError(f"--energy reads a Jetson's power rails; {board_id} is a microcontroller (measure its "
                               "energy with an external power analyser)")
@@ -371,7 +386,7 @@ def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, 
         raise TinydeployError(f"{board_id} is a microcontroller: give its serial port with --port (/dev/ttyACM0, or "
                               "a pyserial URL)")
     runs = runs or 1
-    b = build(model, board_id, outdir, force, input_shapes, command, quiet=quiet)
+    b = build(model, board_id, outdir, force, input_shapes, command, quiet=quiet, max_weights_bytes=max_weights_bytes)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]

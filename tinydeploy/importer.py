@@ -10,6 +10,7 @@ evaluated by onnx's own reference evaluator (so the semantics are onnx's, not ou
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 
@@ -17,13 +18,14 @@ import numpy as np
 import onnx
 from onnx import numpy_helper, shape_inference, version_converter
 
-from tinydeploy import ir
+from tinydeploy import ir, limits
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 
 MIN_OPSET = 13          # older models are converted up to this
 MAX_FILE_BYTES = 2 << 30  # protobuf's own limit
-MAX_FOLD_ELEMENTS = 1 << 26  # refuse to materialise constants larger than this (hostile models)
+# How large a folded constant may be is not a fixed cap but tinydeploy.limits' weights budget.
+EXPANSION_NOTE_BYTES = 16 << 20   # folding that makes more than this, and more than the file's size, is noted
 NO_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
            "Bernoulli", "If", "Loop", "Scan",
            # Q/DQ of constant weights stay: the QDQ pass (tinydeploy/quant.py) reads them as
@@ -205,8 +207,59 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple | None, int]]:
     return out
 
 
-def _fold_constants(model: onnx.ModelProto, opset: int) -> bool:
-    """One sweep of constant folding. Returns True when something was folded."""
+def _itemsize(elem_type: int) -> int:
+    try:
+        return max(1, np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
+    except Exception:
+        return 4
+
+
+def _initializer_bytes(t: onnx.TensorProto) -> int:
+    """Bytes of an initializer from its dims and type (reading raw_data would copy it)."""
+    return math.prod(t.dims) * _itemsize(t.data_type)
+
+
+def _fold_output_sizes(node: onnx.NodeProto, consts: dict, shapes: dict, opset: int) -> list[tuple[int, int] | None]:
+    """(elements, bytes per element) of each output of a node about to be folded, or None where
+    not known beforehand. Exact integers from shapes, so nothing is ever allocated to find out."""
+    if node.op_type == "ConstantOfShape":
+        dims = [int(d) for d in numpy_helper.to_array(consts[node.input[0]]).reshape(-1)]
+        if any(d < 0 for d in dims):
+            raise TinydeployError(f"ConstantOfShape {printable(node.name)!r} asks for the shape "
+                                  f"{'x'.join(map(str, dims[:8]))}; negative dimensions: the model is malformed")
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        return [(math.prod(dims), _itemsize(value.data_type) if value is not None else 4)]
+    out = [(math.prod(shapes[o][0]), _itemsize(shapes[o][1])) if o and shapes.get(o, (None, 0))[0] is not None
+           else None for o in node.output]
+    if None in out:  # not inferred in the whole graph (an input folded earlier in this sweep):
+        one = _infer_one(node, consts, opset)   # infer this node alone, its small constants as data
+        out = [s if s is not None else one.get(o) for s, o in zip(out, node.output)]
+    return out
+
+
+def _infer_one(node: onnx.NodeProto, consts: dict, opset: int) -> dict[str, tuple[int, int]]:
+    """Output sizes of one node with constant inputs by onnx shape inference, giving the values of
+    the small inputs (shapes, repeats, pads: what sizes depend on) and only the type of the rest."""
+    inits, inputs = [], []
+    for name in dict.fromkeys(i for i in node.input if i):
+        t = consts[name]
+        if math.prod(t.dims) <= 4096:
+            inits.append(t)
+        else:
+            inputs.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+    outs = [onnx.helper.make_empty_tensor_value_info(o) for o in node.output if o]
+    m = onnx.helper.make_model(onnx.helper.make_graph([node], "one", inputs, outs, inits),
+                               opset_imports=[onnx.helper.make_opsetid("", opset)])
+    try:
+        shapes = _shapes(shape_inference.infer_shapes(m, data_prop=True))
+    except Exception:
+        return {}
+    return {o: (math.prod(s), _itemsize(et)) for o, (s, et) in shapes.items() if s is not None and o in node.output}
+
+
+def _fold_constants(model: onnx.ModelProto, opset: int, tally: limits.Tally, file_bytes: int) -> bool:
+    """One sweep of constant folding. Returns True when something was folded. Each constant it
+    makes counts against the weights budget (`tally`), checked before it is computed."""
     from onnx.reference import ReferenceEvaluator
 
     g = model.graph
@@ -221,36 +274,39 @@ def _fold_constants(model: onnx.ModelProto, opset: int) -> bool:
         if node.op_type in ("Shape", "Size") and node.input[0] in shapes and shapes[node.input[0]][0] is not None:
             shape = shapes[node.input[0]][0]
             if node.op_type == "Size":
-                values = [np.array(int(np.prod(shape)), dtype=np.int64)]
+                values = [np.array(math.prod(shape), dtype=np.int64)]
             else:
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
                 start, end = attrs.get("start", 0), attrs.get("end", None)
                 values = [np.array(shape[slice(start, end)], dtype=np.int64)]
         elif all((not i) or i in consts for i in node.input) and not any(
                 a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-            for o in node.output:
-                s = shapes.get(o, (None, 0))[0]
-                if s is not None and int(np.prod(s)) > MAX_FOLD_ELEMENTS:
-                    raise TinydeployError(f"node {printable(node.name)!r} ({node.op_type}) would make a constant of "
-                                          f"{int(np.prod(s))} elements; refusing (malformed or hostile model?)")
-            if node.op_type == "ConstantOfShape":
-                n = int(np.prod(numpy_helper.to_array(consts[node.input[0]])))
-                if n > MAX_FOLD_ELEMENTS:
-                    raise TinydeployError(f"ConstantOfShape {printable(node.name)!r} asks for {n} elements; refusing")
+            sizes = _fold_output_sizes(node, consts, shapes, opset)
+            for size in sizes:
+                if size is not None:
+                    tally.add(size[0] * size[1], lambda n=size[0], b=size[1]: _fold_what(node, n, b, file_bytes))
             values = _evaluate(node, [consts[i] if i else None for i in node.input], opset, ReferenceEvaluator)
+            for size, v in zip(sizes, values):   # sizes shape inference could not tell: counted now
+                if size is None:
+                    tally.add(v.nbytes, lambda n=v.size, b=v.itemsize: _fold_what(node, n, b, file_bytes))
         if values is None:
             kept.append(node)
             continue
         for name, v in zip(node.output, values):
             if name:
-                t = numpy_helper.from_array(np.asarray(v), name)
-                consts[name] = t
-                g.initializer.append(t)
+                g.initializer.append(numpy_helper.from_array(np.asarray(v), name))
+                consts[name] = g.initializer[-1]   # the graph's copy: a large constant is held once
         folded = True
     if folded:
         del g.node[:]
         g.node.extend(kept)
     return folded
+
+
+def _fold_what(node: onnx.NodeProto, elements: int, itemsize: int, file_bytes: int) -> str:
+    return (f"node {printable(node.name)!r} ({node.op_type}) would make a constant of {elements} elements x "
+            f"{itemsize} bytes = {elements * itemsize} bytes ({limits.human(elements * itemsize)}) from a "
+            f"{limits.human(file_bytes)} model file")
 
 
 def _evaluate(node: onnx.NodeProto, inputs: list, opset: int, evaluator_cls) -> list | None:
@@ -328,8 +384,12 @@ def _drop_padding_only_ceil_windows(model: onnx.ModelProto) -> None:
                 vi.type.tensor_type.ClearField("shape")
 
 
-def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[ir.Graph, onnx.ModelProto]:
-    """Load `path` and return (typed graph, the normalised ONNX model it was made from)."""
+def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                 max_weights_bytes: "int | limits.Budget | None" = None) -> tuple[ir.Graph, onnx.ModelProto]:
+    """Load `path` and return (typed graph, the normalised ONNX model it was made from).
+    `max_weights_bytes`: the weights budget (see tinydeploy.limits; None: from this machine's
+    memory): the model's constants, with every one constant folding makes, must fit in it."""
+    budget = limits.budget(max_weights_bytes)
     model = load_model(path)
     # QOperator models (QLinearConv, com.microsoft QLinearAdd, ...) become QDQ graphs first:
     # the checker and shape inference know the standard operators they turn into.
@@ -345,11 +405,18 @@ def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None) -
     _pin_input_shapes(model, input_shapes or {}, notes)
     _drop_padding_only_ceil_windows(model)
     model = _infer(model)
+    file_bytes = Path(path).stat().st_size
+    tally = limits.Tally(budget, sum(_initializer_bytes(t) for t in model.graph.initializer))
+    start = tally.used
     for _ in range(16):
-        if not _fold_constants(model, _opset(model)):
+        if not _fold_constants(model, _opset(model), tally, file_bytes):
             break
         del model.graph.value_info[:]
         model = _infer(model)
+    made = tally.used - start
+    if made > max(EXPANSION_NOTE_BYTES, file_bytes):
+        notes.append(f"constant folding made {limits.human(made)} of constants from a {limits.human(file_bytes)} "
+                     f"model file (weights budget {limits.human(budget.bytes)}: {budget.how})")
     return _to_ir(model, notes), model
 
 

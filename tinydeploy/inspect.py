@@ -11,8 +11,8 @@ from tinydeploy.ops import REGISTRY, unsupported_nodes
 from tinydeploy.quant import quantize_qdq
 
 
-def inspect_model(path, input_shapes=None) -> str:
-    g, _ = import_model(path, input_shapes)
+def inspect_model(path, input_shapes=None, max_weights_bytes=None) -> str:
+    g, _ = import_model(path, input_shapes, max_weights_bytes)
     quantize_qdq(g)   # a no-op for float models
     bad = {id(n): why for n, why in unsupported_nodes(g)}
     rows = [("#", "op", "name", "output shape", "MACs", "params", "status")]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import ir
+from tinydeploy import ir, limits
 from tinydeploy.codegen import project
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
@@ -57,8 +57,11 @@ def lower(g: ir.Graph) -> list[Kernel | None]:
 
 
 def compile_model(path, target: Target, input_shapes=None, command: str = "", board: str = "host",
-                  threads: int = 1) -> Compiled:
-    g, _ = import_model(path, input_shapes)
+                  threads: int = 1, max_weights_bytes: "int | limits.Budget | None" = None) -> Compiled:
+    """`max_weights_bytes`: the weights budget (tinydeploy.limits; None: sized against this
+    machine's memory). The import holds the model to it, and so does the C written here."""
+    budget = limits.budget(max_weights_bytes)
+    g, _ = import_model(path, input_shapes, budget)
     # QDQ models: weights are DequantizeLinear outputs until this pass (also first in PASSES,
     # where it is then a no-op) turns them into integer operators or float constants.
     quantize_qdq(g)
@@ -68,8 +71,14 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
     kernels = select_kernels(g, lower(g), target, threads)   # fast conv/dense algorithms per layer
     plan = plan_memory(g, kernels, target.alignment)
+    weights = {a for k in kernels if k for a in k.args if g.t(a).is_const}
+    weights_bytes = sum(g.t(w).nbytes for w in weights)
+    if weights_bytes > budget.bytes:   # passes and kernel layouts can add to what the import held
+        largest = max(weights, key=lambda w: (g.t(w).nbytes, w))
+        raise limits.refuse(f"the C would hold {len(weights)} weight tensor{'s' * (len(weights) != 1)}, "
+                            f"{weights_bytes} bytes (largest {printable(largest, 60)!r}, "
+                            f"{limits.human(g.t(largest).nbytes)})", weights_bytes, budget)
     sha = sha256_file(Path(path))
     info = project.ModelInfo(Path(path).name, sha, command, board)
     files = project.generate(g, kernels, plan, info, target.isas, target.alignment, macs)
-    weights = {a for k in kernels if k for a in k.args if g.t(a).is_const}
-    return Compiled(g, kernels, plan, files, macs, sum(g.t(w).nbytes for w in weights), sha, g.notes)
+    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes)

@@ -18,9 +18,9 @@ from tinydeploy.errors import TinydeployError
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
-def _input_specs(model_path: Path) -> list[tuple[str, tuple, np.dtype]]:
+def _input_specs(model_path: Path, max_weights_bytes=None) -> list[tuple[str, tuple, np.dtype]]:
     from tinydeploy.importer import import_model
-    g, _ = import_model(model_path)
+    g, _ = import_model(model_path, max_weights_bytes=max_weights_bytes)
     return [(n, g.t(n).shape, np.dtype(g.t(n).dtype)) for n in g.inputs]
 
 
@@ -108,13 +108,13 @@ def accuracy_report(fp32: Path, quant: Path, samples: list[dict]) -> dict:
 
 def quantize(model, calibration, output, activations: str = "uint8", weights: str = "int8",
              per_channel: bool = False, method: str = "minmax", fmt: str = "qdq", holdout: float = 0.2,
-             quiet: bool = False) -> dict:
+             quiet: bool = False, max_weights_bytes=None) -> dict:
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quant_pre_process, quantize_static)
     model, output = Path(model), Path(output)
     if output.exists() and not output.is_file():
         raise TinydeployError(f"output {printable(str(output))!r} exists and is not a file")
-    specs = _input_specs(model)
+    specs = _input_specs(model, max_weights_bytes)
     for name, _, dt in specs:
         if dt != np.float32:
             raise TinydeployError(f"input {printable(name)!r} is {dt.name}: only FP32 models can be quantised")

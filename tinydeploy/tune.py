@@ -53,13 +53,13 @@ MAX_RUNS = 1000
 
 # ---- the layers of the models ----------------------------------------------------------------
 
-def layer_kernels(model: Path, input_shapes=None) -> list:
+def layer_kernels(model: Path, input_shapes=None, max_weights_bytes=None) -> list:
     """The generic kernels of a model's fp32 conv/dense layers (before selection)."""
     from tinydeploy.importer import import_model
     from tinydeploy.passes import run_passes
     from tinydeploy.pipeline import check_supported, lower
     from tinydeploy.quant import quantize_qdq
-    g, _ = import_model(model, input_shapes)
+    g, _ = import_model(model, input_shapes, max_weights_bytes)
     quantize_qdq(g)
     check_supported(g)
     run_passes(g)
@@ -328,7 +328,7 @@ def write_db(path: Path, db: dict) -> None:
 
 def tune(models: list[str], board_id: str = "host", db_path: str | None = None, jobs: int | None = None,
          resume: bool = True, seconds: float = 0.2, ssh: str | None = None, port: int | None = None,
-         identity: str | None = None, log=flow.progress) -> dict:
+         identity: str | None = None, log=flow.progress, max_weights_bytes=None) -> dict:
     """Tune every distinct fp32 conv/dense layer of `models` for a board; returns the database."""
     from tinydeploy.targets import get_target
     board = boards.get_board(board_id)
@@ -353,7 +353,7 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
         mp = Path(m)
         if not mp.is_file():
             raise TinydeployError(f"model file {printable(str(mp))!r} does not exist or is not a file")
-        for k in layer_kernels(mp):
+        for k in layer_kernels(mp, max_weights_bytes=max_weights_bytes):
             sig = tuning.layer_signature(k)
             layers.setdefault(sig, (k, []))[1].append(printable(mp.name, 60))
     todo = [s for s in layers if not (resume and s in db["layers"])]

@@ -97,19 +97,25 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     inputs = [io for io in ios if io["kind"] == "input"]
     outputs = [io for io in ios if io["kind"] == "output"]
 
-    wlist, off = [], 0
-    blob_data = bytearray()
+    wlist, end = [], 0
     for t in weights:
         entry = {"sym": wsym[t.name], "ctype": c_type(t.dtype), "elements": t.size,
                  "comment": f"\"{c_comment(t.name, 60)}\" {np.dtype(t.dtype).name} {_shape(t)}"}
         if blob:
-            off = (len(blob_data) + 15) // 16 * 16
-            blob_data.extend(b"\0" * (off - len(blob_data)))
-            entry["offset"] = off
-            blob_data.extend(np.ascontiguousarray(t.data).astype(t.data.dtype.newbyteorder("<")).tobytes())
+            entry["offset"] = (end + 15) // 16 * 16     # each tensor 16-byte aligned, zeros between
+            end = entry["offset"] + t.nbytes
         else:
             entry["text"] = c_array_body(t.data)
         wlist.append(entry)
+    # The blob is allocated once and each tensor copied straight into it (little-endian): large
+    # models hold one copy of their weights here, not several.
+    blob_data = bytearray(end)
+    view = np.frombuffer(blob_data, np.uint8)
+    for t, entry in zip(weights, wlist):
+        if blob:
+            le = np.ascontiguousarray(t.data, dtype=t.data.dtype.newbyteorder("<")).reshape(-1)
+            view[entry["offset"]:entry["offset"] + t.nbytes] = le.view(np.uint8)
+    del view
 
     env = kreg.env()
     common = {"version": __version__, "sha256": info.sha256}
@@ -129,6 +135,6 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             header=header(info, "td_weights.h"), weights=wlist, blob=blob, blob_bytes=max(len(blob_data), 1)),
         "td_weights.c": env.get_template("weights.c.j2").render(
             header=header(info, "td_weights.c: constant weights"), weights=wlist, blob=blob,
-            blob_text="{\n" + c_string_body(bytes(blob_data)) + "\n}" if blob else ""),
+            blob_text=c_string_body(blob_data) if blob else ""),
     }
     return files
