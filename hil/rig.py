@@ -3,7 +3,7 @@
     inventory (hil/boards.yml)  which boards exist, how to reach them, how to reset them
     app                         firmware built per model and board, cached in one folder
     transport                   QEMU (tinydeploy.emulator) or a serial port (any pyserial URL)
-    device                      tinydeploy.protocol.Device: expect-style reads, timeouts, full log
+    device                      tinydeploy.runners.protocol.Device: expect-style reads, timeouts, full log
     Dut                         app + transport + device, with a health check and the board's reset
 
 The tests only see Dut objects, so the same test code runs for every transport."""
@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import boards, mcu, reference
+from tinydeploy import reference
+from tinydeploy.targets import boards
+from tinydeploy import firmware
 from tinydeploy.build import file_lock
 from tinydeploy.errors import TinydeployError
 
@@ -327,7 +329,7 @@ class App:
     model: str                                  # file stem, e.g. kws_dscnn_int8
     path: Path
     entry: BoardEntry
-    fw: mcu.Firmware
+    fw: firmware.Firmware
     in_specs: list[tuple[str, tuple, np.dtype]]
     out_specs: list[tuple[tuple, np.dtype]]
 
@@ -337,7 +339,7 @@ class App:
 
     @property
     def model_id(self) -> str:
-        return mcu.model_id(self.path.name)
+        return firmware.model_id(self.path.name)
 
     def inputs(self, seed: int) -> tuple[dict[str, np.ndarray], bytes]:
         feeds = reference.random_inputs(self.in_specs, seed)
@@ -397,7 +399,7 @@ class AppCache:
         outdir = self.root / entry.id / path.stem
         emulate = entry.emulated and board["runner"] != "qemu-system"
         with file_lock(self.root / f".{entry.id}-{path.stem}.lock"):
-            fw = mcu.build_firmware(c.files, entry.manifest, outdir, emulate=emulate, force=True)
+            fw = firmware.build_firmware(c.files, entry.manifest, outdir, emulate=emulate, force=True)
         g = c.graph
         ins = [(n, tuple(g.t(n).shape), np.dtype(g.t(n).dtype)) for n in g.inputs]
         outs = [(tuple(g.t(n).shape), np.dtype(g.t(n).dtype)) for n in g.outputs]
@@ -405,7 +407,7 @@ class AppCache:
 
 
 def models_that_fit(entry: BoardEntry, names: list[str], models_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """The models whose weights and arena fit the board (tinydeploy.mcu.check_fits, before any
+    """The models whose weights and arena fit the board (tinydeploy.firmware.check_fits, before any
     compiling of C); the others with the reason."""
     from tinydeploy.pipeline import compile_model
     from tinydeploy.targets import get_target
@@ -418,7 +420,7 @@ def models_that_fit(entry: BoardEntry, names: list[str], models_dir: Path) -> tu
                            f"{DEFAULT_MODELS_DIR}, beside the checkout)")
         c = compile_model(path, get_target(board["target"]), board=entry.manifest)
         try:
-            mcu.check_fits(c.files, board)
+            firmware.check_fits(c.files, board)
         except TinydeployError as e:
             skipped[path.stem] = str(e)
             continue
@@ -433,7 +435,7 @@ class Transport:
     kind = "?"
     strategy = "?"                       # the reset strategy, for the log
 
-    def open(self):                      # -> tinydeploy.protocol.Device
+    def open(self):                      # -> tinydeploy.runners.protocol.Device
         raise NotImplementedError
 
     def reset(self):
@@ -458,14 +460,14 @@ class QemuTransport(Transport):
     kind = "qemu"
     strategy = "restart"
 
-    def __init__(self, fw: mcu.Firmware, timeout: float = 60.0, boot_timeout: float = 60.0):
+    def __init__(self, fw: firmware.Firmware, timeout: float = 60.0, boot_timeout: float = 60.0):
         self.fw, self.timeout, self.boot_timeout = fw, timeout, boot_timeout
         self.emu = None
         self.dev = None
         self._last_output = ""
 
     def open(self):
-        from tinydeploy.emulator import Emulator
+        from tinydeploy.runners.qemu_system import Emulator
         self.close()
         self.emu = Emulator(self.fw.elf, self.fw.machine, boot_timeout=self.boot_timeout)
         self.emu.start()
@@ -531,7 +533,7 @@ class SerialTransport(Transport):
                 time.sleep(0.2)
 
     def open(self):
-        from tinydeploy.protocol import Device
+        from tinydeploy.runners.protocol import Device
         self.close()
         self.port = self._port()
         deadline = time.monotonic() + self.entry.reappear_timeout_s
@@ -614,7 +616,7 @@ def run_flash(entry: BoardEntry, app: App, port: str, timeout: float = 300.0) ->
 @dataclass
 class Dut:
     """One board running one app, reachable through one transport. `device` is the current
-    tinydeploy.protocol.Device; `log` keeps every line of every device opened for the current
+    tinydeploy.runners.protocol.Device; `log` keeps every line of every device opened for the current
     test (reset() opens a new one)."""
     app: App
     transport: Transport
@@ -711,14 +713,14 @@ def make_transport(entry: BoardEntry, app: App, cli_port: str | None = None, lis
 
 # ---- QEMU processes ---------------------------------------------------------------------------
 
-from tinydeploy.emulator import qemu_processes  # noqa: E402  (one definition, shared with the tests)
+from tinydeploy.runners.qemu_system import qemu_processes  # noqa: E402  (one definition, shared with the tests)
 
 
 
 def kill_qemu_left_behind() -> list[int]:
     """Stops every Emulator still registered and SIGKILLs any QEMU child left; returns the pids
     that were still running."""
-    from tinydeploy import emulator
+    from tinydeploy.runners import qemu_system as emulator
     left = sorted(set(qemu_processes()))
     emulator._stop_all()
     for pid in qemu_processes():

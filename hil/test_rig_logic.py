@@ -19,7 +19,7 @@ import pytest
 from hil import rig
 from hil.report import collect_report, render_html, write_html
 from tinydeploy.errors import TinydeployError
-from tinydeploy.protocol import Device
+from tinydeploy.runners.protocol import Device
 
 pytestmark = pytest.mark.host
 

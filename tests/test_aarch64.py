@@ -70,7 +70,7 @@ LAYERS = _layer_cases()
 @pytest.mark.parametrize("case", list(LAYERS))
 def test_8bit_layers_under_qemu_aarch64(case, tmp_path):
     """The attribute matrix of tests/test_quantized.py, cross-built for the Pi 4 and run under
-    qemu-aarch64: outputs equal the exact reference (tinydeploy/exact.py) bit for bit."""
+    qemu-aarch64: outputs equal the exact reference (tinydeploy/quant/exact.py) bit for bit."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     path = save(LAYERS[case](), tmp_path)

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 
-from tinydeploy import boards
+from tinydeploy.targets import boards
 from tinydeploy.errors import TinydeployError
 
 

@@ -9,7 +9,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from tinydeploy import boards, build as bld, flow, reference
+from tinydeploy import build as bld, flow, reference
+from tinydeploy.targets import boards
 from tinydeploy.targets import get_target
 from test_deploy import tiny_model
 from util import require

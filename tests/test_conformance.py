@@ -5,7 +5,7 @@ Every case under onnx/backend/test/data/{pytorch-converted,pytorch-operator,simp
 and run:
 
 * unsupported -- the case is not run, and is reported as skipped with the reason. A case is
-  unsupported when, after import (tinydeploy.importer.import_model), tinydeploy.ops.
+  unsupported when, after import (tinydeploy.frontend.importer.import_model), tinydeploy.ops.
   unsupported_nodes or tinydeploy.pipeline.check_supported reject an operator or a graph
   input/output dtype; when the onnx checker rejects the model; or when import stops and the
   model uses an operator that has no kernel at all (e.g. sequence operators). Any other import
@@ -38,7 +38,7 @@ from onnx import numpy_helper
 
 from tinydeploy import flow, reference
 from tinydeploy.errors import TinydeployError
-from tinydeploy.importer import import_model, load_model
+from tinydeploy.frontend.importer import import_model, load_model
 from tinydeploy.ops import REGISTRY, unsupported_nodes
 from tinydeploy.pipeline import RUNTIME_DTYPES, check_supported
 

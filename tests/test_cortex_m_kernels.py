@@ -4,7 +4,7 @@ portable reference kernels, on the emulated Cortex-M4 (mps2-an386, QEMU).
 Each single-layer 8-bit QDQ model is built twice for the same board: with the DSP variants (the
 target's default) and with the reference kernels (the variant lookup told to skip the ISA). Both
 firmwares run the same inputs; each output must equal tinydeploy's exact reference
-(tinydeploy/exact.py, numpy) bit for bit, and differ from the oracle only at rounding ties
+(tinydeploy/quant/exact.py, numpy) bit for bit, and differ from the oracle only at rounding ties
 (util.check_8bit). The DSP build must also run fewer instructions, and its generated C must
 actually use the variant (no silent fallback)."""
 from __future__ import annotations
@@ -16,7 +16,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from tinydeploy import flow, mcu, reference
+from tinydeploy import flow, reference
+from tinydeploy import firmware
 from tinydeploy.codegen import kernels as kreg
 from util import check_8bit
 
@@ -79,7 +80,7 @@ def _run(path, outdir, seeds):
     outs, instr = [], None
     for seed in seeds:
         feeds = reference.random_inputs(specs, seed)
-        got, n, _ = mcu.run_firmware(b.firmware, [feeds[name] for name, _, _ in specs], out_specs)
+        got, n, _ = firmware.run_firmware(b.firmware, [feeds[name] for name, _, _ in specs], out_specs)
         outs.append((feeds, got))
         instr = n
     source = (outdir / "src" / "td_kernels.c").read_text()
@@ -270,7 +271,7 @@ def test_qadd_dsp_matches_reference(case, tmp_path, monkeypatch):
 
 def test_pack_pairs_layout():
     """Blocks of 4 rows, then per pair the rows of the block; low half column 2k, high 2k + 1."""
-    from tinydeploy.select_mcu import pack_pairs
+    from tinydeploy.schedule.mcu import pack_pairs
     rows = np.arange(-17, 18).reshape(5, 7).astype(np.int32) * 7
     words = pack_pairs(rows).view(np.uint32)
     kp = 4                                   # 7 columns -> 4 pairs, the last with a zero column
@@ -288,7 +289,7 @@ def test_packing_respects_flash_budget(monkeypatch):
     """Packing doubles the weights' flash: within EXTRA_FLASH_BYTES, the most MACs per byte first;
     with no budget nothing is packed (and the build still works through the other kernels)."""
     from tests.util import mlperf_model
-    from tinydeploy import select_mcu
+    from tinydeploy.schedule import mcu as select_mcu
     from tinydeploy.pipeline import compile_model
     from tinydeploy.targets import get_target
     model = mlperf_model("ad_autoencoder_int8.onnx")

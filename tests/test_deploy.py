@@ -16,9 +16,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tinydeploy.emulator import free_port
+from tinydeploy.runners.qemu_system import free_port
 from tinydeploy.errors import TinydeployError
-from tinydeploy.remote import Remote, parse_target
+from tinydeploy.runners.ssh import Remote, parse_target
 from util import require
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tinydeploy import boards, energy
+from tinydeploy.targets import boards
+from tinydeploy.runners import energy
 from tinydeploy.errors import TinydeployError
 from test_deploy import tiny_model
 from util import require

@@ -1,4 +1,4 @@
-"""Fast fp32 kernels (tinydeploy/select.py): every algorithm (conv2d_gemm, conv2d_igemm,
+"""Fast fp32 kernels (tinydeploy/schedule.py): every algorithm (conv2d_gemm, conv2d_igemm,
 conv2d_gemmt, conv2d_dw, dense_packed) and every micro-kernel variant against onnxruntime AND against the reference
 kernel, over shapes that hit every edge: tails in M, N and K, several kc/mc/nc blocks (a target
 with tiny caches), 1x1 / 3x3 / 5x5 / 7x7, strides, pads, groups, depthwise, dilation, batch 2,
@@ -14,7 +14,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tinydeploy import boards, flow, reference, select, targets
+from tinydeploy import flow, reference, targets
+from tinydeploy.targets import boards
+from tinydeploy import schedule
 from util import check_model, make_model, require, save
 
 RNG_SEED = 1234
@@ -254,21 +256,21 @@ def test_selection_is_explicit_and_printable():
     """The cost model's choices for typical layers, and tiles/blocking within their budgets."""
     g_params = {"N": 1, "C": 64, "H": 56, "W": 56, "M": 64, "OH": 56, "OW": 56, "KH": 1, "KW": 1, "SH": 1, "SW": 1,
                 "DH": 1, "DW": 1, "PT": 0, "PL": 0, "G": 1}
-    assert select.conv_choice(g_params, "avx2", "auto") in ("conv2d_gemm", "conv2d_igemm")
-    assert select.conv_choice({**g_params, "C": 16, "M": 16, "KH": 3, "KW": 3, "PT": 1, "PL": 1, "SH": 2, "SW": 2,
+    assert schedule.conv_choice(g_params, "avx2", "auto") in ("conv2d_gemm", "conv2d_igemm")
+    assert schedule.conv_choice({**g_params, "C": 16, "M": 16, "KH": 3, "KW": 3, "PT": 1, "PL": 1, "SH": 2, "SW": 2,
                                "OH": 28, "OW": 28}, "avx2", "auto") == "conv2d_igemm"   # few channels: no packing wins
-    assert select.conv_choice({**g_params, "C": 16, "M": 16, "KH": 3, "KW": 3, "PT": 1, "PL": 1}, "avx2",
+    assert schedule.conv_choice({**g_params, "C": 16, "M": 16, "KH": 3, "KW": 3, "PT": 1, "PL": 1}, "avx2",
                               "auto") == "conv2d_winograd4"   # 3x3 stride 1 on a large plane
-    assert select.conv_choice({**g_params, "G": 64, "M": 64}, "avx2", "auto") == "conv2d_dw"
-    assert select.conv_choice({**g_params, "C": 2, "M": 2, "H": 4, "W": 4, "OH": 4, "OW": 4}, "avx2", "auto") == "ref"
-    assert select.conv_choice(g_params, "avx2", "ref") == "ref"
+    assert schedule.conv_choice({**g_params, "G": 64, "M": 64}, "avx2", "auto") == "conv2d_dw"
+    assert schedule.conv_choice({**g_params, "C": 2, "M": 2, "H": 4, "W": 4, "OH": 4, "OW": 4}, "avx2", "auto") == "ref"
+    assert schedule.conv_choice(g_params, "avx2", "ref") == "ref"
     for isa in select.TILES:
         for mr, nr, _ in select.TILES[isa]:
             assert mr >= 1 and nr % {"avx2": 8, "avx512": 16, "neon": 4, "ref": 1}[isa] == 0
-    assert select.vector_act("(v > 0.0f ? v : 0.0f)") == [("relu", "")]
-    assert select.vector_act("((v < 0.0f ? 0.0f : v) > 6.0f ? 6.0f : (v < 0.0f ? 0.0f : v))") == [("lo", "0.0f"), ("hi", "6.0f")]
-    assert select.vector_act("(v >= 0.0f ? v : 0.01f * v)") is None      # scalar epilogue
-    kc, mc, nc = select.blocking(targets.Target("t", "cc", [], l1d_bytes=32768, l2_bytes=524288), 6, 16, 1000, 500, 3000)
+    assert schedule.vector_act("(v > 0.0f ? v : 0.0f)") == [("relu", "")]
+    assert schedule.vector_act("((v < 0.0f ? 0.0f : v) > 6.0f ? 6.0f : (v < 0.0f ? 0.0f : v))") == [("lo", "0.0f"), ("hi", "6.0f")]
+    assert schedule.vector_act("(v >= 0.0f ? v : 0.01f * v)") is None      # scalar epilogue
+    kc, mc, nc = schedule.blocking(targets.Target("t", "cc", [], l1d_bytes=32768, l2_bytes=524288), 6, 16, 1000, 500, 3000)
     assert kc * 16 * 4 <= 16384 and mc % 6 == 0 and nc % 16 == 0 and mc * kc * 4 <= 262144
 
 

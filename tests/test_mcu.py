@@ -12,11 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinydeploy import boards, emulator, mcu, reference
+from tinydeploy import reference
+from tinydeploy.targets import boards
+from tinydeploy.runners import qemu_system as emulator
+from tinydeploy import firmware
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
 from tinydeploy.targets import get_target
-from tinydeploy.emulator import qemu_processes
+from tinydeploy.runners.qemu_system import qemu_processes
 from util import mlperf_model, require
 
 FP32_RTOL = 1e-4
@@ -64,7 +67,7 @@ def test_mcu_boards_are_valid_data():
     assert nano["ram_bytes"] == 262_144 and nano["clock_hz"] == 64_000_000
     assert nano["emulate_with"] == "mps2-an386" and nano["upload"]["tool"] == "bossac"
     for board in (an386, nano):
-        assert (mcu.MCU_TEMPLATES / f"port_{board['port']}.c").is_file()
+        assert (firmware.MCU_TEMPLATES / f"port_{board['port']}.c").is_file()
         assert board["target"] == "cortex-m4"
 
 
@@ -91,7 +94,7 @@ def test_missing_arm_gcc_names_the_debian_package(monkeypatch):
 
 
 def test_model_ids_for_the_energyrunner():
-    assert [mcu.model_id(n) for n in ("kws_dscnn_fp32.onnx", "ic_resnet8_int8.onnx", "vww_x.onnx", "ad_a.onnx")] \
+    assert [firmware.model_id(n) for n in ("kws_dscnn_fp32.onnx", "ic_resnet8_int8.onnx", "vww_x.onnx", "ad_a.onnx")] \
         == ["kws01", "ic01", "vww01", "ad01"]
 
 
@@ -100,7 +103,7 @@ def test_model_ids_for_the_energyrunner():
 def test_project_builds_with_make_alone_for_both_boards(kws, tmp_path):
     c = kws[0]
     for board in ("mps2-an386", "nano33ble"):
-        out = mcu.write_project(tmp_path / board, c.files, board)
+        out = firmware.write_project(tmp_path / board, c.files, board)
         for name in ("Makefile", "README.md", "link.ld", "src/harness.c", "src/port.h", "src/model.c",
                      "src/startup_cortex_m.c", "src/harness_config.h"):
             assert (out / name).is_file(), name
@@ -111,7 +114,7 @@ def test_project_builds_with_make_alone_for_both_boards(kws, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         elf = out / "build" / "firmware.elf"
         assert (out / "build" / "firmware.bin").is_file() and (out / "build" / "firmware.hex").is_file()
-        entry = next(s for s in mcu.sections(elf, boards.get_board(board)) if s["name"] == ".isr_vector")
+        entry = next(s for s in firmware.sections(elf, boards.get_board(board)) if s["name"] == ".isr_vector")
         assert entry["vma"] == boards.get_board(board)["flash_origin"]
         syms = subprocess.run(["arm-none-eabi-nm", str(elf)], capture_output=True, text=True).stdout
         assert not re.search(r"\b(malloc|_malloc_r|_sbrk)\b", syms), "the firmware must not use the heap"
@@ -132,7 +135,7 @@ def test_arduino_port_compiles_against_the_arduino_api(tmp_path):
         "struct SerialStub { void begin(unsigned long); operator bool(); size_t write(uint8_t);"
         " int available(); int read(); void flush(); };\nextern SerialStub Serial;\nunsigned long micros(void);\n")
     r = subprocess.run([gxx, "-fsyntax-only", "-Wall", "-Wextra", "-Werror", f"-I{tmp_path}",
-                        f"-I{mcu.MCU_TEMPLATES}", str(mcu.MCU_TEMPLATES / "port_arduino.cpp")],
+                        f"-I{firmware.MCU_TEMPLATES}", str(firmware.MCU_TEMPLATES / "port_arduino.cpp")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -140,7 +143,7 @@ def test_arduino_port_compiles_against_the_arduino_api(tmp_path):
 def test_refuses_to_overwrite_a_folder_it_did_not_make(kws, tmp_path):
     (tmp_path / "mine.txt").write_text("keep me")
     with pytest.raises(TinydeployError, match="not empty"):
-        mcu.write_project(tmp_path, kws[0].files, "mps2-an386")
+        firmware.write_project(tmp_path, kws[0].files, "mps2-an386")
     assert (tmp_path / "mine.txt").read_text() == "keep me"
 
 
@@ -152,13 +155,13 @@ def test_ad_autoencoder_fp32_is_refused_for_nano33ble_with_the_numbers(toolchain
     assert c.weights_bytes > 983_040
     for emulate in (False, True):
         with pytest.raises(TinydeployError) as e:
-            mcu.build_firmware(c.files, "nano33ble", tmp_path / f"fw{emulate}", emulate=emulate)
+            firmware.build_firmware(c.files, "nano33ble", tmp_path / f"fw{emulate}", emulate=emulate)
         msg = str(e.value)
         assert "does not fit nano33ble" in msg and "flash" in msg
         assert f"{c.weights_bytes:,} B" in msg and "983,040 B" in msg
         assert "quantise" in msg
     with pytest.raises(TinydeployError, match="does not fit nano33ble"):
-        mcu.run_on_emulator(c.files, "nano33ble", [np.zeros((1, 640), np.float32)], [((1, 640), np.float32)])
+        firmware.run_on_emulator(c.files, "nano33ble", [np.zeros((1, 640), np.float32)], [((1, 640), np.float32)])
 
 
 def test_link_overflow_is_reported_with_the_numbers(kws, tmp_path, monkeypatch):
@@ -168,7 +171,7 @@ def test_link_overflow_is_reported_with_the_numbers(kws, tmp_path, monkeypatch):
     board = dict(boards.get_board("nano33ble"), flash_bytes=95_000)
     monkeypatch.setattr(mcu, "mcu_board", lambda board_id: board)
     with pytest.raises(TinydeployError) as e:
-        mcu.build_firmware(c.files, "nano33ble", tmp_path / "fw")
+        firmware.build_firmware(c.files, "nano33ble", tmp_path / "fw")
     msg = str(e.value)
     assert "does not fit nano33ble" in msg and "FLASH needs" in msg and "95,000 B" in msg
 
@@ -177,7 +180,7 @@ def test_link_overflow_is_reported_with_the_numbers(kws, tmp_path, monkeypatch):
 
 def test_kws_fp32_on_mps2_an386_matches_onnxruntime_with_repeatable_instruction_counts(kws):
     c, inputs, out_specs, want = kws
-    outs, instructions, mem = mcu.run_on_emulator(c.files, "mps2-an386", inputs, out_specs)
+    outs, instructions, mem = firmware.run_on_emulator(c.files, "mps2-an386", inputs, out_specs)
     res = reference.compare(outs, want, FP32_RTOL)
     assert res["outputs_match"], res
     # the reference fp32 kernels: about 2.66 M MACs, a little over 8 instructions per MAC
@@ -186,7 +189,7 @@ def test_kws_fp32_on_mps2_an386_matches_onnxruntime_with_repeatable_instruction_
     assert mem["flash_used_bytes"] >= c.weights_bytes and mem["ram_used_bytes"] >= c.plan.arena_bytes
     assert 0 < mem["stack_used_bytes"] < mem["stack_reserved_bytes"]
     # a second QEMU run, from a fresh build, counts exactly the same instructions
-    outs2, instructions2, _ = mcu.run_on_emulator(c.files, "mps2-an386", inputs, out_specs)
+    outs2, instructions2, _ = firmware.run_on_emulator(c.files, "mps2-an386", inputs, out_specs)
     assert instructions2 == instructions
     assert all(np.array_equal(a, b) for a, b in zip(outs, outs2))
     print(f"KWS fp32 on mps2-an386: {instructions:,} instructions per inference, flash "
@@ -195,7 +198,7 @@ def test_kws_fp32_on_mps2_an386_matches_onnxruntime_with_repeatable_instruction_
 
 def test_nano33ble_emulated_keeps_its_own_limits(kws):
     c, inputs, out_specs, want = kws
-    outs, instructions, mem = mcu.run_on_emulator(c.files, "nano33ble", inputs, out_specs, runs=3, warmup=1)
+    outs, instructions, mem = firmware.run_on_emulator(c.files, "nano33ble", inputs, out_specs, runs=3, warmup=1)
     assert reference.compare(outs, want, FP32_RTOL)["outputs_match"]
     assert mem["board"] == "nano33ble" and mem["built_for"] == "mps2-an386"
     assert mem["flash_bytes"] == 983_040 and mem["ram_bytes"] == 262_144
@@ -203,7 +206,7 @@ def test_nano33ble_emulated_keeps_its_own_limits(kws):
 
 
 def test_emulator_is_stopped_on_keyboard_interrupt(kws, tmp_path):
-    fw = mcu.build_firmware(kws[0].files, "mps2-an386", tmp_path / "fw")
+    fw = firmware.build_firmware(kws[0].files, "mps2-an386", tmp_path / "fw")
     with pytest.raises(KeyboardInterrupt):
         with emulator.Emulator(fw.elf, fw.machine) as emu:
             dev = emu.device()
@@ -249,9 +252,9 @@ def test_mps2_instruction_counter_is_exact_at_every_timer_phase(toolchain, tmp_p
     """port_mps2_an386.c's counter under -icount shift=0: the same code counts the same at every
     phase of the timer, and one more nop counts exactly one more instruction."""
     board = boards.get_board("mps2-an386")
-    src = mcu.MCU_TEMPLATES
+    src = firmware.MCU_TEMPLATES
     (tmp_path / "probe.c").write_text(COUNTER_PROBE)
-    (tmp_path / "link.ld").write_text(mcu._render("link.ld.j2", title="probe", board_id="mps2-an386",
+    (tmp_path / "link.ld").write_text(firmware._render("link.ld.j2", title="probe", board_id="mps2-an386",
                                                   flash_origin=0, ram_origin=0x20000000, flash_bytes=1 << 20,
                                                   ram_bytes=1 << 20, stack_bytes=4096))
     t = get_target("cortex-m4")

@@ -4,8 +4,9 @@ import json
 import subprocess
 import sys
 
-from tinydeploy import boards, flow
-from tinydeploy.emulator import Emulator
+from tinydeploy import flow
+from tinydeploy.targets import boards
+from tinydeploy.runners.qemu_system import Emulator
 from util import mlperf_model
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tinydeploy import boards, platformio as tp
+from tinydeploy.targets import boards
+from tinydeploy.firmware import pio as tp
 from tinydeploy.errors import TinydeployError
 from util import require
 

@@ -12,10 +12,12 @@ import numpy as np
 import onnx
 import pytest
 
-from tinydeploy import emulator, mcu, protocol
+from tinydeploy.runners import qemu_system as emulator
+from tinydeploy import firmware
+from tinydeploy.runners import protocol
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
-from tinydeploy.protocol import Device
+from tinydeploy.runners.protocol import Device
 from tinydeploy.targets import get_target
 from test_mcu import no_qemu_left_behind, toolchain  # noqa: F401  (fixtures)
 from util import make_model, save
@@ -30,7 +32,7 @@ def firmware(toolchain, tmp_path_factory):  # noqa: F811
     vi = lambda name: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, N])  # noqa: E731
     model = make_model([onnx.helper.make_node("Add", ["a", "b"], ["y"])], [vi("a"), vi("b")], [vi("y")])
     c = compile_model(save(model, tmp, "add.onnx"), get_target("cortex-m4"), board="mps2-an386")
-    return mcu.build_firmware(c.files, "mps2-an386", tmp / "fw")
+    return firmware.build_firmware(c.files, "mps2-an386", tmp / "fw")
 
 
 @pytest.fixture
@@ -293,11 +295,12 @@ def test_results_parse_the_energyrunner_float_format():
 def test_energyrunner_image_path_for_ic_int8(toolchain, tmp_path):  # noqa: F811
     """The runner sends IC images as uint8 with db load/db <hex>; the firmware stores v - 128 into
     the int8 input, and the result equals the exact reference on the int8 image bit for bit."""
-    from tinydeploy import exact, reference
+    from tinydeploy import reference
+    from tinydeploy.quant import exact
     from util import mlperf_model
     path = mlperf_model("ic_resnet8_int8.onnx")
     c = compile_model(path, get_target("cortex-m4"), board="mps2-an386")
-    fw = mcu.build_firmware(c.files, "mps2-an386", tmp_path / "fw")
+    fw = firmware.build_firmware(c.files, "mps2-an386", tmp_path / "fw")
     assert "#define TD_DB_SUBTRACT_128 1" in (fw.outdir / "src" / "harness_config.h").read_text()
     name = c.graph.inputs[0]
     x = reference.random_inputs([(name, tuple(c.graph.t(name).shape), np.int8)], seed=5)[name]

@@ -1,4 +1,4 @@
-"""QOperator import (tinydeploy/qoperator.py: QLinear* and com.microsoft contrib operators become
+"""QOperator import (tinydeploy/frontend/qoperator.py: QLinear* and com.microsoft contrib operators become
 QDQ subgraphs) and the quantisation schemes tinydeploy refuses (quant.scheme_problem)."""
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_rewrite_agrees_with_onnx_reference_evaluator(tmp_path):
     except at rounding ties (which it rounds from float64 sums)."""
     import onnx
     from onnx.reference import ReferenceEvaluator
-    from tinydeploy import exact
+    from tinydeploy.quant import exact
     rng = np.random.default_rng(4)
     inits = [_c("xs", 0.02, np.float32), _c("xz", 121, np.uint8), _c("w", rng.integers(-127, 128, (6, 3, 3, 3)), np.int8),
              _c("ws", np.geomspace(1e-3, 8e-3, 6), np.float32), _c("wz", np.zeros(6), np.int8),

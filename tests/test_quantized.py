@@ -1,7 +1,7 @@
 """8-bit (QDQ) deployment: the QDQ pass, the integer kernels and the LSB comparison.
 
 Every model is built with gcc, clang and gcc+ASan/UBSan (-Werror); each result must equal
-tinydeploy's exact reference (tinydeploy/exact.py) bit for bit, and differ from the oracle (the
+tinydeploy's exact reference (tinydeploy/quant/exact.py) bit for bit, and differ from the oracle (the
 graph run node by node by onnxruntime, reference.run_oracle) only at rounding ties
 (util.check_8bit). onnxruntime's fast session, whose 8-bit kernels differ by CPU, is never the
 reference. The marked `haswell` subset also runs under `qemu-x86_64 -cpu Haswell` (tests/README.md).
@@ -16,8 +16,8 @@ import pytest
 from onnx import TensorProto as TP, helper, numpy_helper
 
 from tinydeploy import flow, ir, reference
-from tinydeploy.importer import import_model
-from tinydeploy.exact import requant_exact as requantize
+from tinydeploy.frontend.importer import import_model
+from tinydeploy.quant.exact import requant_exact as requantize
 from tinydeploy.quant import quantize_multiplier, quantize_qdq
 from util import check_8bit, check_model_lsb, make_model, mlperf_model, save
 
@@ -465,7 +465,7 @@ def boundary_inputs(path, count: int, seed: int) -> tuple[list[dict], object]:
     for agreement, as a data set labelled by some reference's argmax is. Seeded hill climbing on
     tinydeploy's exact reference (numpy, the same on every CPU), so every machine tests the same
     inputs: random int8 images, 6 pixels moved at a time, kept while the margin does not grow."""
-    from tinydeploy import exact
+    from tinydeploy.quant import exact
     g = exact.lowered_graph(path)
     logits = [n for n in g.nodes if n.op == "QDense"][-1].outputs[0]
     name = g.inputs[0]
@@ -519,7 +519,7 @@ def test_uint8_model_in_process(tmp_path):
     u8 activations x s8 weights) checked in this process, so that under qemu-x86_64 -cpu Haswell
     every onnxruntime call takes the AVX2 path (tests/README.md)."""
     import sys
-    from tinydeploy.quantize import quantize
+    from tinydeploy.frontend.quantize import quantize
     from util import REPO
     sys.path.insert(0, str(REPO / "models"))
     import make_calibration

@@ -1,4 +1,4 @@
-"""`--threads N` (tinydeploy/select.py `parallelise`, the OpenMP loops of the fast drivers): every
+"""`--threads N` (tinydeploy/schedule.py `parallelise`, the OpenMP loops of the fast drivers): every
 threaded algorithm (conv2d_gemm, conv2d_igemm, conv2d_gemmt, conv2d_dw, dense_packed, each forced
 by TINYDEPLOY_ALGO) on a small synthetic model with batch 2, groups, strides and tails, built
 with 1 and 4 threads: both match onnxruntime and are bit-identical to each other; threads = 1
@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from tinydeploy import boards, cli, flow, reference, select
+from tinydeploy import cli, flow, reference
+from tinydeploy.targets import boards
+from tinydeploy import schedule
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
 from tinydeploy.targets import get_target
@@ -110,7 +112,7 @@ def test_per_thread_scratch_and_threshold(model, monkeypatch):
         if k3 is None or "THREADS" not in k3.params:
             continue
         t = k3.params["THREADS"]
-        assert 1 < t <= min(3, select.parallel_blocks(k1))
+        assert 1 < t <= min(3, schedule.parallel_blocks(k1))
         # a slice of the packing buffer per thread (conv2d_gemm: of the thread's columns only)
         assert k3.scratch_bytes == 4 * t * k3.params["WST"]
         if k3.family == "conv2d_gemm":

@@ -1,4 +1,4 @@
-"""The kernel tuner and its database (tinydeploy/tune.py, tinydeploy/tuning), per-layer timing
+"""The kernel tuner and its database (tinydeploy/schedule/tuner.py, tinydeploy/schedule/tuning), per-layer timing
 (`bench --layers`, the TD_PROFILE hooks) and `build`'s per-layer algorithm lines."""
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from tinydeploy import cli, flow, reference, select, targets, tune, tuning
+from tinydeploy import cli, flow, reference, targets
+from tinydeploy import schedule
+from tinydeploy.schedule import tuner as tune
+from tinydeploy.schedule import tuning
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
 from util import make_model, save
@@ -35,7 +38,7 @@ def model(tmp_path_factory):
 
 def host_key() -> str:
     t = targets.get_target("host")
-    return tuning.target_key(t, select._isa("conv2d_gemm", t))
+    return tuning.target_key(t, schedule._isa("conv2d_gemm", t))
 
 
 def test_tune_resumes_and_select_uses_the_entries(model, tmp_path, monkeypatch):
@@ -63,7 +66,7 @@ def test_tune_resumes_and_select_uses_the_entries(model, tmp_path, monkeypatch):
     assert not any("candidates" in ln for ln in lines)
 
     # select takes the database's choice (here one the cost model would not make) and says so
-    isa = select._isa("conv2d_gemm", targets.get_target("host"))
+    isa = schedule._isa("conv2d_gemm", targets.get_target("host"))
     tile = list(select.TILES[isa][-1][:2])
     on_disk["layers"][sigs[1]] = {"algo": "conv2d_gemm", "tile": tile, "blocking": [24, 16, 64]}
     db_path.write_text(json.dumps(on_disk))
@@ -161,14 +164,14 @@ def test_bench_layers_json_and_build_lines(model, tmp_path, capsys, monkeypatch)
     # build: one line per fast-algorithm layer on stderr, nothing of it on stdout
     assert cli.main(["build", str(model), "-o", str(tmp_path / "b")]) == 0
     out = capsys.readouterr()
-    want = select.describe(c.kernels, fast_only=True)
+    want = schedule.describe(c.kernels, fast_only=True)
     assert len(want) == 2
     for line in want:
         assert f"[tinydeploy] {line}" in out.err and line not in out.out
 
 
 class FakeRemote:
-    """tinydeploy.remote.Remote's interface, on this machine (no ssh server in the tests)."""
+    """tinydeploy.runners.ssh.Remote's interface, on this machine (no ssh server in the tests)."""
 
     def __init__(self, target, port=None, identity=None):
         import tempfile
@@ -202,7 +205,7 @@ class FakeRemote:
 def test_ssh_runner_copies_runs_and_checks(model, tmp_path, monkeypatch):
     import pathlib
 
-    import tinydeploy.remote
+    import tinydeploy.runners.ssh
     monkeypatch.setattr(tinydeploy.remote, "Remote", FakeRemote)
     b = flow.build(model, "host", tmp_path / "b", quiet=True)
     x = reference.random_inputs(flow.io_specs(b.summary, "inputs"), 0)["x"]
@@ -220,7 +223,7 @@ def test_ssh_runner_copies_runs_and_checks(model, tmp_path, monkeypatch):
 
 def test_candidates(model, monkeypatch):
     t = targets.get_target("host")
-    isa = select._isa("conv2d_gemm", t)
+    isa = schedule._isa("conv2d_gemm", t)
     monkeypatch.setenv("TINYDEPLOY_TUNING", "off")
     chosen = [k.params["algo"] for k in compile_model(model, t).kernels if k]    # the cost model's
     conv3, conv1 = tune.layer_kernels(model)
@@ -232,5 +235,5 @@ def test_candidates(model, monkeypatch):
     assert any(c["blocking"] for c in tune.candidates(conv1, t, isa))      # kc/mc/nc variants of the GEMM
     # a matrix-vector product: only the cost model's choice (timed alone it would mislead)
     mv = type(conv1)("dense", "f32", {"M": 1, "K": 256, "N": 64, "has_bias": False, "bias_2d": False, "act": "v"}, [])
-    assert tune.candidates(mv, t, isa) == [{"algo": select.dense_choice(mv.params, isa, "auto"), "tile": None,
+    assert tune.candidates(mv, t, isa) == [{"algo": schedule.dense_choice(mv.params, isa, "auto"), "tile": None,
                                             "blocking": None}]

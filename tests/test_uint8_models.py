@@ -3,9 +3,9 @@ quantiser), in both of its formats, run by `tinydeploy run --board host --json`:
 tinydeploy's exact reference, and within 1 LSB of the oracle (onnxruntime running the graph node
 by node) or further only through rounding ties (reference.check_outputs).
 
-QDQ models go through the QDQ pass (tinydeploy/quant.py); QOperator models (QLinearConv,
+QDQ models go through the QDQ pass (tinydeploy/quant/); QOperator models (QLinearConv,
 com.microsoft QLinearAdd / QGemm / QLinearSoftmax, ...) are first rewritten into QDQ form
-(tinydeploy/qoperator.py). The models' float outputs are DequantizeLinear outputs, compared in
+(tinydeploy/frontend/qoperator.py). The models' float outputs are DequantizeLinear outputs, compared in
 LSBs of their scale (flow.run, reference.compare_outputs).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Winograd convolution (conv2d_winograd2 / conv2d_winograd4, tinydeploy/select.py): every
+"""Winograd convolution (conv2d_winograd2 / conv2d_winograd4, tinydeploy/schedule.py): every
 micro-kernel variant against onnxruntime and against the reference kernel, over shapes that hit
 the edges (partial output tiles, padding 0 / 1 / asymmetric, channel counts that are not
 multiples of the tile, a 1x1 output plane, no bias, fused Relu / Clip, batch 2, groups, several
@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 
 from test_fast_kernels import FIRST, HOST_ISAS, OTHERS, assert_close_to_reference, conv_model, outputs_of, use_host
-from tinydeploy import flow, reference, select, targets
+from tinydeploy import flow, reference, targets
+from tinydeploy import schedule
 from util import check_model, mlperf_model, require, save
 
 CASES = {
@@ -49,10 +50,10 @@ def test_blocking_splits_tiles_and_channels():
     t = dataclasses.replace(targets.host(), l1d_bytes=2048, l2_bytes=16384)
     p = {"N": 1, "C": 40, "H": 23, "W": 25, "M": 20, "OH": 23, "OW": 25, "G": 1}
     for wm in (2, 4):
-        mr, nr = select._winograd_tile("avx2", 20, -(-23 // wm) * -(-25 // wm))
-        q = select._winograd_plan(p, wm, mr, nr, t.l2_bytes)
+        mr, nr = schedule._winograd_tile("avx2", 20, -(-23 // wm) * -(-25 // wm))
+        q = schedule._winograd_plan(p, wm, mr, nr, t.l2_bytes)
         assert q["BLOCKS"] > 1 and q["NB"] % nr == 0, q
-        assert select.blocking(t, mr, nr, 40, 20, q["NB"])[0] < 40
+        assert schedule.blocking(t, mr, nr, 40, 20, q["NB"])[0] < 40
 
 
 @pytest.mark.parametrize("name,wm", [("odd_planes_relu", 2), ("odd_planes_relu", 4), ("asymmetric_pads", 4),
@@ -72,15 +73,15 @@ def test_applies_only_to_3x3_stride1_dense_convolutions():
     base = {"N": 1, "C": 64, "H": 28, "W": 28, "M": 64, "OH": 28, "OW": 28, "KH": 3, "KW": 3, "SH": 1, "SW": 1,
             "DH": 1, "DW": 1, "PT": 1, "PL": 1, "G": 1}
     for isa in ("avx2", "avx512", "neon", "ref"):
-        assert select.conv_choice(base, isa, "auto").startswith("conv2d_winograd")
+        assert schedule.conv_choice(base, isa, "auto").startswith("conv2d_winograd")
     for other in ({"SH": 2, "SW": 2, "OH": 14, "OW": 14}, {"DH": 2, "DW": 2}, {"KH": 5, "KW": 5},
                   {"KH": 1, "KW": 1, "PT": 0, "PL": 0}):
         p = {**base, **other}
-        assert not any(a.startswith("conv2d_winograd") for a in select.conv_costs(p, "avx2"))
-        assert select.conv_choice(p, "avx2", "conv2d_winograd4") == "conv2d_gemm"   # forced: falls back
+        assert not any(a.startswith("conv2d_winograd") for a in schedule.conv_costs(p, "avx2"))
+        assert schedule.conv_choice(p, "avx2", "conv2d_winograd4") == "conv2d_gemm"   # forced: falls back
     depthwise = {**base, "G": 64}
-    assert select.conv_choice(depthwise, "avx2", "auto") == "conv2d_dw"
-    assert select.conv_choice(depthwise, "avx2", "conv2d_winograd2") == "conv2d_gemm"
+    assert schedule.conv_choice(depthwise, "avx2", "auto") == "conv2d_dw"
+    assert schedule.conv_choice(depthwise, "avx2", "conv2d_winograd2") == "conv2d_gemm"
 
 
 def test_default_selection_uses_winograd_on_resnet8(tmp_path, monkeypatch):

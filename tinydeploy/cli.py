@@ -138,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
                        "target's tuning database")
     p.add_argument("models", nargs="+")
     p.add_argument("--board", default="host")
-    p.add_argument("--db", help="tuning database file (default tinydeploy/tuning/<target>-<isa>.json)")
+    p.add_argument("--db", help="tuning database file (default tinydeploy/schedule/tuning/<target>-<isa>.json)")
     p.add_argument("--jobs", type=int, help="parallel candidate builds (default: CPU count)")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="skip layer shapes already in the database (default; --no-resume measures them again)")
@@ -176,7 +176,9 @@ def _dispatch(args, command: str) -> int:
         r = doctor.report()
         print(json.dumps(r)) if args.json else print("\n".join(doctor.format_report(r)))
         return 0
-    from tinydeploy import boards, flow, importer, limits
+    from tinydeploy import flow, limits
+    from tinydeploy.targets import boards
+    from tinydeploy.frontend import importer
     shapes = importer.parse_shape_overrides(getattr(args, "input_shape", None))
     mwb = getattr(args, "max_weights_bytes", None)
     mwb = limits.parse_size(mwb) if mwb is not None else None   # bytes, passed down explicitly
@@ -195,7 +197,7 @@ def _dispatch(args, command: str) -> int:
         print(f"{len(names)} ONNX operators: " + ", ".join(names))
         return 0
     if args.cmd == "quantize":
-        from tinydeploy import quantize as q
+        from tinydeploy.frontend import quantize as q
         out = Path(args.output)
         if out.exists():
             raise TinydeployError(f"{printable(str(out))} exists; choose another -o (tinydeploy never overwrites "
@@ -231,38 +233,39 @@ def _dispatch(args, command: str) -> int:
         print(json.dumps(res)) if args.json else _print_run(res)
         return 0 if res["outputs_match"] else 1
     if args.cmd == "deploy":
-        from tinydeploy.deploy import deploy
+        from tinydeploy.commands.deploy import deploy
         res = deploy(args.model, args.board, args.ssh, args.port, args.identity, args.remote_dir, args.runs,
                      args.inputs, args.seed, shapes, args.outdir, args.force, command, quiet=args.json,
                      ssh_options=args.ssh_option, threads=args.threads, max_weights_bytes=mwb)
         print(json.dumps(res)) if args.json else _print_run(res)
         return 0 if res["outputs_match"] else 1
     if args.cmd == "flash":
-        from tinydeploy import mcu, platformio
+        from tinydeploy import firmware
+        from tinydeploy.firmware import pio
         board = boards.get_board(args.board)
         if board["kind"] != "mcu" or board["runner"] != "serial":
             raise TinydeployError(f"{args.board} is not a board to flash (it runs via {board['runner']})")
         folder = Path(args.builddir) if args.builddir else None
-        if folder is None or not (folder / "platformio.ini").is_file():
+        if folder is None or not (folder / "pio.ini").is_file():
             raise TinydeployError("give the folder `tinydeploy build --board " + args.board + "` wrote "
-                                  "(it holds platformio.ini)")
-        mcu.mcu_board(args.board)
-        platformio.pio_upload(folder, args.board, args.port)
+                                  "(it holds pio.ini)")
+        firmware.mcu_board(args.board)
+        pio.pio_upload(folder, args.board, args.port)
         print(f"flashed {folder} to {args.board}")
         return 0
     if args.cmd == "inspect":
-        from tinydeploy.inspect import inspect_model
+        from tinydeploy.commands.inspect_model import inspect_model
         print(inspect_model(args.model, shapes, mwb))
         return 0
     if args.cmd == "bench":
-        from tinydeploy.bench import bench, bench_layers
+        from tinydeploy.commands.bench import bench, bench_layers
         if args.layers:
             bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads, mwb)
         else:
             bench(args.models, args.board, args.seconds, args.json, args.threads, mwb)
         return 0
     if args.cmd == "tune":
-        from tinydeploy.tune import tune
+        from tinydeploy.schedule.tuner import tune
         tune(args.models, args.board, args.db, args.jobs, args.resume, args.seconds, args.ssh, args.port,
              args.identity, max_weights_bytes=mwb)
         return 0
@@ -272,7 +275,7 @@ def _dispatch(args, command: str) -> int:
 def _quantize_for_build(args, max_weights_bytes=None) -> str:
     """`build --quantize`: quantise into a private temporary folder, print the accuracy report."""
     import tempfile
-    from tinydeploy import quantize as q
+    from tinydeploy.frontend import quantize as q
     if not args.calibration:
         raise TinydeployError("--quantize needs --calibration DATA (.npz/.npy or a folder; see "
                               "models/make_calibration.py)")

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import boards, build as bld, reference, select
+from tinydeploy import build as bld, reference
+from tinydeploy.targets import boards
+from tinydeploy import schedule
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import Compiled, compile_model
@@ -52,7 +54,7 @@ class BuildResult:
                                   # files is empty, the C is in outdir
     reused: bool
     summary: dict
-    firmware: object = None       # mcu.Firmware for microcontroller boards
+    firmware: object = None       # firmware.Firmware for microcontroller boards
 
 
 def _summary(model: Path, board_id: str, outdir: Path, c: Compiled, files) -> dict:
@@ -85,13 +87,13 @@ def build_mcu(model: Path, board: dict, outdir: Path, force: bool, input_shapes,
               emulate: bool, builder: str, max_weights_bytes=None) -> BuildResult:
     """Microcontroller boards: the model's C plus the firmware harness and the board's port, as a
     project with a Makefile and a platformio.ini, built offline; refused with numbers if too big."""
-    from tinydeploy import mcu
+    from tinydeploy import firmware
     log(f"compiling {printable(model.name)} for {board['id']}{' (emulated)' if emulate else ''}")
     target = get_target(board["target"])
     c = compile_model(model, target, input_shapes, command=command, board=board["id"],
                       max_weights_bytes=max_weights_bytes)
     log(f"building firmware with {builder} in {outdir}")
-    fw = mcu.build_firmware(c.files, board["id"], outdir, emulate=emulate, force=force, builder=builder)
+    fw = firmware.build_firmware(c.files, board["id"], outdir, emulate=emulate, force=force, builder=builder)
     summary = _summary(model, board["id"], outdir, c, sorted(p.name for p in outdir.iterdir()))
     summary["firmware"] = {k: v for k, v in fw.memory.items() if k != "sections"}
     summary["elf"] = str(fw.elf)
@@ -117,11 +119,11 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
         return build_mcu(model, board, outdir, force, input_shapes, command, log, emulate,
                          builder or ("make" if emulate or board["runner"] == "qemu-system" else "pio"),
                          max_weights_bytes)
-    from tinydeploy.importer import sha256_file
+    from tinydeploy.frontend.importer import sha256_file
     key = bld.build_key(sha256_file(model), board_id,
                         {"shapes": sorted((k, list(v)) for k, v in (input_shapes or {}).items()),
                          "cflags": extra_cflags or [], "cc": cc or "", "threads": threads,
-                         "selection": select.selection_state(target)})
+                         "selection": schedule.selection_state(target)})
     previous = bld.prepare_outdir(outdir, force)
     exe = outdir / "model_run"
     if reuse and previous.get("key") == key and exe.is_file() and "summary" in previous:
@@ -130,7 +132,7 @@ def build(model, board_id: str = "host", outdir=None, force: bool = False, input
     log(f"compiling {printable(model.name)} for {board_id}")
     c = compile_model(model, target, input_shapes, command=command, board=board_id, threads=threads,
                       max_weights_bytes=max_weights_bytes)
-    fast = select.describe(c.kernels, fast_only=True)
+    fast = schedule.describe(c.kernels, fast_only=True)
     for line in fast:
         log(printable(line, 160))
     log(f"{len(fast)} layers with fast algorithms, "
@@ -273,7 +275,7 @@ def reference_model_bytes(model: Path) -> bytes:
     as bytes against the current folder, so such data is inlined here, loaded by
     importer.load_model (which reads only files inside the model's folder)."""
     import onnx
-    from tinydeploy.importer import load_model
+    from tinydeploy.frontend.importer import load_model
     data = model.read_bytes()
     m = onnx.load_model_from_string(data)
     if not any(t.data_location == onnx.TensorProto.EXTERNAL
@@ -323,10 +325,10 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
     instructions = None
     if b.firmware is not None:
-        from tinydeploy import mcu
+        from tinydeploy import firmware
         log = (lambda m: None) if quiet else progress
         log(f"running under QEMU ({b.firmware.machine['id']}, -icount: exact instruction counts)")
-        got, instructions, details = mcu.run_firmware(b.firmware, [feeds[n] for n, _, _ in specs], out_specs)
+        got, instructions, details = firmware.run_firmware(b.firmware, [feeds[n] for n, _, _ in specs], out_specs)
     else:
         got, _ = ex(b.exe, [feeds[n] for n, _, _ in specs], out_specs, runs=0)
     # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs against the oracle
@@ -367,15 +369,15 @@ def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, 
     """The `run` flow against a board that already runs this model's firmware, over a serial port
     (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests). Linux boards are
     measured on this machine instead, with --energy from their power rails (energy.measure_local)."""
-    from tinydeploy import mcu
-    from tinydeploy.protocol import Device
+    from tinydeploy import firmware
+    from tinydeploy.runners.protocol import Device
     model = Path(model)
     board = boards.get_board(board_id)
     if board["kind"] == "linux":
         if port:
             raise TinydeployError(f"--port is for microcontroller boards; measure {board_id} on the board itself "
                                   f"(or here with --emulate), or from here with `tinydeploy deploy --ssh user@host`")
-        from tinydeploy import energy as en
+        from tinydeploy.runners import energy as en
         return en.measure_local(model, board_id, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
                                 input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet,
                                 max_weights_bytes=max_weights_bytes)
@@ -392,7 +394,7 @@ def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, 
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
     with Device(port, timeout=timeout, baudrate=int(board.get("serial_baud", 115200))) as dev:
         dev.wait_boot(timeout=timeout)
-        got, counts, stack_used = mcu.infer_on_device(dev, b.firmware.memory, [feeds[n] for n, _, _ in specs],
+        got, counts, stack_used = firmware.infer_on_device(dev, b.firmware.memory, [feeds[n] for n, _, _ in specs],
                                                       out_specs, runs=runs)
     cmp = reference.check_outputs(model, reference_model_bytes(model), feeds, got, FP32_RTOL,
                                   b.summary.get("output_lsb"), input_shapes)

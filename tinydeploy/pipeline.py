@@ -11,11 +11,11 @@ from tinydeploy import ir, limits
 from tinydeploy.codegen import project
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
-from tinydeploy.importer import import_model, sha256_file
+from tinydeploy.frontend.importer import import_model, sha256_file
 from tinydeploy.ops import REGISTRY, Kernel, unsupported_nodes
 from tinydeploy.passes import run_passes
 from tinydeploy.quant import quantize_qdq
-from tinydeploy.select import select_kernels
+from tinydeploy.schedule import select_kernels
 from tinydeploy.planner import Plan, plan_memory
 from tinydeploy.targets import Target
 

@@ -35,7 +35,7 @@ _QDQ_OPS = {"QuantizeLinear", "DequantizeLinear"}
 
 def is_8bit(model) -> bool:
     """Whether an ONNX model (ModelProto) quantises anything (QDQ or QOperator form)."""
-    from tinydeploy.qoperator import REWRITTEN
+    from tinydeploy.frontend.qoperator import REWRITTEN
     return any(n.op_type in _QDQ_OPS or n.op_type in REWRITTEN for n in model.graph.node)
 
 
@@ -75,7 +75,7 @@ def oracle_bytes(model_bytes: bytes) -> tuple[bytes, bool]:
     m = onnx.load_model_from_string(model_bytes)
     if not is_8bit(m):
         return model_bytes, False
-    from tinydeploy.qoperator import rewrite_qoperator
+    from tinydeploy.frontend.qoperator import rewrite_qoperator
     if rewrite_qoperator(m):
         return m.SerializeToString(), True
     return model_bytes, True
@@ -263,7 +263,7 @@ def layerwise(model_path, model_bytes: bytes, feeds: dict, input_shapes=None, gr
     (exact.Exact: `real`, `margin`) is a rounding tie: the oracle's float32 sums and
     tinydeploy's arithmetic land on either side of it, and a deep network may carry the flip to
     its outputs. Any other difference is a disagreement: a fault on one side."""
-    from tinydeploy import exact
+    from tinydeploy.quant import exact
     oracle, _ = oracle_bytes(model_bytes)
     g = graph if graph is not None else exact.lowered_graph(model_path, input_shapes)
     rounding: dict = {}
@@ -328,7 +328,7 @@ def check_outputs(model_path, model_bytes: bytes, feeds: dict, got: list, rtol: 
     res = compare_outputs(got, want, rtol, lsb_scales)
     if not q:
         return res
-    from tinydeploy import exact
+    from tinydeploy.quant import exact
     res["reference"] = ORACLE_8BIT
     g = exact.lowered_graph(model_path, input_shapes)
     ex = exact.run_model(model_path, feeds, graph=g)

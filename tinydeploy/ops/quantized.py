@@ -1,4 +1,4 @@
-"""Integer operators made by the QDQ pass (tinydeploy/quant.py) and the QuantizeLinear /
+"""Integer operators made by the QDQ pass (tinydeploy/quant/) and the QuantizeLinear /
 DequantizeLinear kernels of float islands. Requantisation constants are computed by the pass
 and travel in node.attrs["_q"] (scalars) or as int32 constant inputs (per-channel multipliers
 and shifts); the kernels (firmware_templates/kernels/q*_ref.c.j2) only read them."""

@@ -2,7 +2,7 @@
 
 Kernel variants: `<family>_<dtype>_cortex-m4-dsp` (8-bit, DSP extension: SMLAD on int16 pairs) and
 `<family>_<dtype>_cortex-m4-fpu` (fp32, FPU registers); the kernel registry falls back to the
-portable reference kernels for the rest (tinydeploy/select_mcu.py re-lays their weights)."""
+portable reference kernels for the rest (tinydeploy/schedule/mcu.py re-lays their weights)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,4 @@
-# SCons entry point for PlatformIO (tool-scons), written by tinydeploy.platformio.ensure_core().
+# SCons entry point for PlatformIO (tool-scons), written by tinydeploy.firmware.pio.ensure_core().
 # PlatformIO runs `python <this folder>/scons.py ...`; SCons itself is the one pip installed.
 import sys
 

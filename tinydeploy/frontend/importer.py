@@ -28,7 +28,7 @@ MAX_FILE_BYTES = 2 << 30  # protobuf's own limit
 EXPANSION_NOTE_BYTES = 16 << 20   # folding that makes more than this, and more than the file's size, is noted
 NO_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
            "Bernoulli", "If", "Loop", "Scan",
-           # Q/DQ of constant weights stay: the QDQ pass (tinydeploy/quant.py) reads them as
+           # Q/DQ of constant weights stay: the QDQ pass (tinydeploy/quant/) reads them as
            # integer weights with their scales instead of float constants.
            "QuantizeLinear", "DequantizeLinear"}
 
@@ -393,7 +393,7 @@ def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None,
     model = load_model(path)
     # QOperator models (QLinearConv, com.microsoft QLinearAdd, ...) become QDQ graphs first:
     # the checker and shape inference know the standard operators they turn into.
-    from tinydeploy.qoperator import rewrite_qoperator
+    from tinydeploy.frontend.qoperator import rewrite_qoperator
     rewrite_qoperator(model)
     try:
         onnx.checker.check_model(model)

@@ -1,4 +1,4 @@
-"""`tinydeploy inspect`: what is in a model, as imported, after the QDQ pass (tinydeploy/quant.py):
+"""`tinydeploy inspect`: what is in a model, as imported, after the QDQ pass (tinydeploy/quant/):
 8-bit models list the integer operators their Q -> op -> DQ islands become, and only what is
 really unsupported is marked so. Other rewrites (passes.PASSES) are not applied."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy.codegen.cfmt import printable
-from tinydeploy.importer import import_model
+from tinydeploy.frontend.importer import import_model
 from tinydeploy.ops import REGISTRY, unsupported_nodes
 from tinydeploy.quant import quantize_qdq
 

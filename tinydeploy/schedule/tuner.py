@@ -1,6 +1,6 @@
 """`tinydeploy tune`: measure the candidate kernels of every distinct fp32 conv/dense layer shape
 of some models on the target, and keep the fastest in the target's tuning database
-(tinydeploy/tuning), which kernel selection then prefers over its cost model.
+(tinydeploy/schedule/tuning), which kernel selection then prefers over its cost model.
 
 Per layer signature (tuning.layer_signature) the candidates are: the cost model's own choice;
 every algorithm conv_costs finds applicable and not hopeless (estimated within HOPELESS times the
@@ -35,7 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import boards, flow, reference, select, tuning
+from tinydeploy import flow, reference
+from tinydeploy.targets import boards
+from tinydeploy import schedule
+from tinydeploy.schedule import tuning
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 
@@ -55,7 +58,7 @@ MAX_RUNS = 1000
 
 def layer_kernels(model: Path, input_shapes=None, max_weights_bytes=None) -> list:
     """The generic kernels of a model's fp32 conv/dense layers (before selection)."""
-    from tinydeploy.importer import import_model
+    from tinydeploy.frontend.importer import import_model
     from tinydeploy.passes import run_passes
     from tinydeploy.pipeline import check_supported, lower
     from tinydeploy.quant import quantize_qdq
@@ -140,7 +143,7 @@ def _tile_geometry(algo: str, p: dict) -> tuple[int, int] | None:
     if algo == "conv2d_gemm":
         return p["M"] // p["G"], p["OH"] * p["OW"]
     if algo == "conv2d_igemm":
-        return p["M"] // p["G"], p["OH"] * select._igemm_geometry(p)[1]
+        return p["M"] // p["G"], p["OH"] * schedule._igemm_geometry(p)[1]
     if algo == "conv2d_gemmt":
         return p["OH"] * p["OW"], p["M"]
     if algo == "dense_packed":
@@ -162,15 +165,15 @@ def candidates(kern, target, isa: str) -> list[dict]:
     p = kern.params
     l1, l2 = int(target.l1d_bytes), int(target.l2_bytes)
     if kern.family == "conv2d":
-        costs = select.conv_costs(p, isa, l1, l2)
+        costs = schedule.conv_costs(p, isa, l1, l2)
         best = min(costs.values())
         algos = [a for a in sorted(costs, key=costs.get) if costs[a] <= HOPELESS * best]
-        base = select.conv_choice(p, isa, "auto", l1, l2)
-        if select.is_depthwise(p):
+        base = schedule.conv_choice(p, isa, "auto", l1, l2)
+        if schedule.is_depthwise(p):
             algos.insert(0, "conv2d_dw")
     else:
         algos = ["dense_packed", "ref"]
-        base = select.dense_choice(p, isa, "auto")
+        base = schedule.dense_choice(p, isa, "auto")
     out = [{"algo": base, "tile": None, "blocking": None}]
     if kern.family == "dense" and p["M"] == 1:
         # a matrix-vector product is memory bound in its model, but timed alone its weights sit
@@ -181,12 +184,12 @@ def candidates(kern, target, isa: str) -> list[dict]:
         if geo is None:
             out.append({"algo": a, "tile": None, "blocking": None})
             continue
-        tiles = select.ranked_tiles(isa, *geo)[:TILES_PER_ALGO]
+        tiles = schedule.ranked_tiles(isa, *geo)[:TILES_PER_ALGO]
         out += [{"algo": a, "tile": list(t), "blocking": None} for t in tiles]
         dims = _gemm_dims(a, p)
         if dims:
             mr, nr = tiles[0]
-            kc, mc, nc = select.blocking(target, mr, nr, dims[0], dims[1], dims[2])
+            kc, mc, nc = schedule.blocking(target, mr, nr, dims[0], dims[1], dims[2])
             for fk, fm, fn in BLOCKING_SCALES:
                 out.append({"algo": a, "tile": [mr, nr],
                             "blocking": [max(4, int(kc * fk)), max(mr, int(mc * fm)), max(nr, int(nc * fn))]})
@@ -231,7 +234,7 @@ class SshRunner:
     there that is removed at the end."""
 
     def __init__(self, target: str, port: int | None, identity: str | None):
-        from tinydeploy.remote import Remote
+        from tinydeploy.runners.ssh import Remote
         self.remote = Remote(target, port, identity)
         self.where = f"on {self.remote.target}"
         self._dir_cm = self.remote.tempdir()
@@ -334,7 +337,7 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
     board = boards.get_board(board_id)
     if board["kind"] == "mcu":
         raise TinydeployError(f"{board_id} is a microcontroller: nothing to tune (each layer has one register-blocked "
-                              "DSP or FPU kernel, chosen by tinydeploy/select_mcu.py, or the reference); compare "
+                              "DSP or FPU kernel, chosen by tinydeploy/schedule/mcu.py, or the reference); compare "
                               "instruction counts with `tinydeploy bench --board mps2-an386`, or tune a Linux board")
     if os.environ.get("TINYDEPLOY_ALGO", "auto").strip() not in ("", "auto") or os.environ.get("TINYDEPLOY_TILE"):
         raise TinydeployError("TINYDEPLOY_ALGO / TINYDEPLOY_TILE force every layer's kernel; unset them to tune")
@@ -344,7 +347,7 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
     if seconds <= 0 or seconds > 60:
         raise TinydeployError("--seconds must be in (0, 60]")
     target = get_target(board["target"])
-    isa = select._isa("conv2d_gemm", target)
+    isa = schedule._isa("conv2d_gemm", target)
     key = tuning.target_key(target, isa)
     path = Path(db_path) if db_path else tuning.DIR / f"{key}.json"
     db = open_db(path, key, resume)

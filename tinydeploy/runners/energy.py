@@ -55,7 +55,7 @@ def find_rails(board: dict, root="/") -> list[Rail]:
     root = Path(root)
     pm = board.get("power_monitor")
     if not pm:
-        from tinydeploy import boards
+        from tinydeploy.targets import boards
         known = [f"{b['id']} ({', '.join(b['power_monitor']['rails'])})" for b in boards.load_all().values()
                  if b.get("power_monitor")]
         raise TinydeployError(f"board {board['id']} has no power monitor in its manifest, so --energy cannot measure "
@@ -175,7 +175,7 @@ def local_executor(board: dict, emulate: bool):
     import functools
     import platform
     from tinydeploy import flow
-    from tinydeploy.deploy import expected_machine
+    from tinydeploy.commands.deploy import expected_machine
     if emulate:
         return functools.partial(flow.execute, prefix=flow.runner_prefix(board, True))
     here = {"arm64": "aarch64", "amd64": "x86_64"}.get(platform.machine().lower(), platform.machine())
@@ -191,7 +191,8 @@ def measure_local(model, board_id: str, energy: bool = False, sysfs_root="/", em
     """`tinydeploy measure` for a Linux board on this machine: flow.run with timing, and with
     --energy the board's power rails sampled during the timed runs ("energy" in the report; the
     window is at least MIN_WINDOW_S unless `runs` is given)."""
-    from tinydeploy import boards, flow
+    from tinydeploy import flow
+    from tinydeploy.targets import boards
     board = boards.get_board(board_id)
     rails = find_rails(board, sysfs_root) if energy else None
     inner = local_executor(board, emulate)

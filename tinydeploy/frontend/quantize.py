@@ -19,7 +19,7 @@ METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
 
 def _input_specs(model_path: Path, max_weights_bytes=None) -> list[tuple[str, tuple, np.dtype]]:
-    from tinydeploy.importer import import_model
+    from tinydeploy.frontend.importer import import_model
     g, _ = import_model(model_path, max_weights_bytes=max_weights_bytes)
     return [(n, g.t(n).shape, np.dtype(g.t(n).dtype)) for n in g.inputs]
 

@@ -1,6 +1,6 @@
 """tinydeploy's exact 8-bit reference: the arithmetic of docs/quantization.md, in numpy.
 
-Every integer operator the QDQ pass (tinydeploy/quant.py) makes is defined here once more,
+Every integer operator the QDQ pass (tinydeploy/quant/) makes is defined here once more,
 independently of the C kernels and of onnxruntime, so that each kernel variant (the portable
 reference, the Cortex-M4 DSP kernels, any SIMD kernel to come) can be held against it bit for
 bit on any machine: the results do not depend on the CPU this runs on. Integer steps are exact
@@ -392,7 +392,7 @@ def evaluate(g: ir.Graph, feeds: dict[str, np.ndarray], keep: bool = False,
 
 def lowered_graph(path, input_shapes=None) -> ir.Graph:
     """The model as tinydeploy's integer operators see it: imported, then the QDQ pass."""
-    from tinydeploy.importer import import_model
+    from tinydeploy.frontend.importer import import_model
     from tinydeploy.quant import quantize_qdq
     g, _ = import_model(Path(path), input_shapes)
     quantize_qdq(g)

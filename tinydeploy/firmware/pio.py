@@ -29,12 +29,13 @@ import sys
 import time
 from pathlib import Path
 
-from tinydeploy import __version__, boards as boardlib
+from tinydeploy import __version__
+from tinydeploy.targets import boards as boardlib
 from tinydeploy.build import file_lock
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "platformio"
+TEMPLATES = Path(__file__).resolve().parents[2] / "platformio"
 PLATFORM_NAME = "platform-cortexm"       # folder of the assembled platform inside <core>/tinydeploy
 TOOLCHAIN_NAME = "toolchain-gccarmnoneeabi"
 DEFAULT_SCONS_VERSION = "4.41101.0"      # what PlatformIO 6.2 asks for (~4.41101.0); read from PlatformIO

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import __version__, boards
+from tinydeploy import __version__
+from tinydeploy.targets import boards
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
@@ -269,7 +270,7 @@ def build_firmware(files: dict[str, str], board_id: str, outdir=None, emulate: b
     check_fits(files, board)
     outdir = Path(outdir) if outdir else Path(tempfile.mkdtemp(prefix=f"tinydeploy-fw-{board_id}-"))
     write_project(outdir, files, board_id, emulate, force=force, **kw)
-    from tinydeploy import platformio as pio
+    from tinydeploy.firmware import pio
     pio.write_platformio_ini(outdir, machine["id"], ldscript="link.ld", model=model_facts(files)["model"])
     if builder == "pio":
         elf = pio.pio_build(outdir, machine["id"], quiet=True)
@@ -322,7 +323,7 @@ def run_firmware(fw: Firmware, inputs: list[np.ndarray], out_specs, runs: int = 
                  timeout: float = 600.0) -> tuple[list[np.ndarray], int, dict]:
     """Runs a built firmware under QEMU on `inputs`; returns (outputs, instructions per inference,
     details)."""
-    from tinydeploy.emulator import Emulator
+    from tinydeploy.runners.qemu_system import Emulator
     with Emulator(fw.elf, fw.machine) as emu:
         dev = emu.device(timeout=timeout)
         try:

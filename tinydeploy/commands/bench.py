@@ -58,7 +58,7 @@ def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=No
 
 def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
           threads: int = 1, max_weights_bytes=None) -> list[dict]:
-    from tinydeploy import boards
+    from tinydeploy.targets import boards
     flow.check_threads(boards.get_board(board), threads)
     if boards.get_board(board)["kind"] == "mcu":
         return bench_mcu(models, board, as_json, max_weights_bytes)
@@ -101,7 +101,7 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
     from a build with -DTD_PROFILE (the harness times every layer of every timed run), so the
     next bottleneck is visible. SBC boards run under qemu-aarch64 with --emulate: those times are
     labelled emulated (they show where an emulator spends time, not the board)."""
-    from tinydeploy import boards
+    from tinydeploy.targets import boards
     from tinydeploy.errors import TinydeployError
     b_info = boards.get_board(board)
     if b_info["kind"] == "mcu":

@@ -47,7 +47,7 @@ def db_path(key: str) -> Path | None:
 
 
 def _act_name(act: str) -> str:
-    from tinydeploy.select import vector_act
+    from tinydeploy.schedule import vector_act
     steps = vector_act(act)
     if steps == []:
         return "linear"

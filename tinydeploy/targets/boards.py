@@ -10,7 +10,7 @@ import jsonschema
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 
-BOARDS_DIR = Path(__file__).resolve().parents[1] / "boards"
+BOARDS_DIR = Path(__file__).resolve().parents[2] / "boards"
 
 
 @lru_cache(maxsize=1)

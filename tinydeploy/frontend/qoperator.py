@@ -1,7 +1,7 @@
 """QOperator models -> QDQ form, at the ONNX-proto level, before checking and shape inference.
 
 onnxruntime's quantiser writes 8-bit models in two forms. QDQ (QuantizeLinear / DequantizeLinear
-around float operators) is what tinydeploy's QDQ pass (tinydeploy/quant.py) turns into integer
+around float operators) is what tinydeploy's QDQ pass (tinydeploy/quant/) turns into integer
 kernels. QOperator writes the same computation as dedicated operators: QLinearConv and
 QLinearMatMul (standard ONNX) and com.microsoft contrib operators (QGemm, QLinearAdd, QLinearMul,
 QLinearAveragePool, QLinearGlobalAveragePool, QLinearConcat, QLinearSigmoid, QLinearLeakyRelu,

@@ -1,7 +1,7 @@
 """Running firmware under QEMU (qemu-system-arm), with its serial port on a loopback TCP port.
 
     with Emulator(elf, board) as emu:          # board: a qemu-system board manifest (mps2-an386)
-        dev = emu.device()                     # tinydeploy.protocol.Device on socket://127.0.0.1:PORT
+        dev = emu.device()                     # tinydeploy.runners.protocol.Device on socket://127.0.0.1:PORT
         dev.wait_boot()
 
 QEMU runs with -icount shift=0: every instruction takes 1 ns of virtual time, so the board's
@@ -165,7 +165,7 @@ class Emulator:
 
     def device(self, timeout: float = 10.0):
         """A protocol Device on QEMU's serial port (connects, retrying for a few seconds)."""
-        from tinydeploy.protocol import Device
+        from tinydeploy.runners.protocol import Device
         deadline = time.monotonic() + 10.0
         while True:
             try:

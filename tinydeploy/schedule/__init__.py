@@ -40,7 +40,7 @@ the fallback of every ISA), `avx2` (FMA, ymm), `avx512` (zmm, where the host has
 Kernel.desc (printed in the generated code's comments; `describe()` lists them).
 TINYDEPLOY_ALGO=ref keeps every reference kernel; =<algo name> forces that algorithm wherever it
 applies; TINYDEPLOY_TILE=MRxNR forces a tile (tests and experiments). Without them, a layer
-shape measured by `tinydeploy tune` (the target's tuning database, tinydeploy/tuning) gets the
+shape measured by `tinydeploy tune` (the target's tuning database, tinydeploy/schedule/tuning) gets the
 measured algorithm, tile and blocking instead of the cost model's ("tuned" in its desc prefix).
 
 Run-time buffers (packed activations, padded planes) are kernel scratch: `scratch_bytes`,
@@ -60,10 +60,11 @@ import re
 
 import numpy as np
 
-from tinydeploy import ir, tuning
+from tinydeploy import ir
+from tinydeploy.schedule import tuning
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
-from tinydeploy.select_mcu import select_mcu
+from tinydeploy.schedule.mcu import select_mcu
 
 # Register tiles (MR rows x NR columns) each micro-kernel variant is generated for, with a
 # relative cost per multiply-accumulate (loads per FMA, latency cover). The templates take MR/NR

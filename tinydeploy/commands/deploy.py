@@ -9,10 +9,11 @@ import platform
 import tempfile
 from pathlib import Path
 
-from tinydeploy import boards, flow
+from tinydeploy import flow
+from tinydeploy.targets import boards
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
-from tinydeploy.remote import Remote
+from tinydeploy.runners.ssh import Remote
 from tinydeploy.targets import get_target
 
 _ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "AMD64": "x86_64"}

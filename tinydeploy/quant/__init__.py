@@ -16,7 +16,7 @@ whose requantisation constants are computed here, at build time:
   QSoftmax         DQ(x) -> Softmax -> Q (same 8-bit type): a float32 table of exponentials
 
 QOperator models (QLinearConv, com.microsoft QLinearAdd, ...) reach this pass in QDQ form
-(tinydeploy/qoperator.py rewrites them on import). Refused with a reason (`scheme_problem`):
+(tinydeploy/frontend/qoperator.py rewrites them on import). Refused with a reason (`scheme_problem`):
 4-bit, float8 and 16-bit Q/DQ, blocked quantisation, run-time scales, MatMulInteger/ConvInteger.
 
 Relu / Clip between the op and its Q become the output clamp range (Q is monotone, so
@@ -27,7 +27,7 @@ Softmax between different 8-bit types); graph.notes says so. A DQ of a constant 
 operator still uses is folded into a float32 constant.
 
 The arithmetic of every integer operator, its rounding and its float32 steps, is defined in
-docs/quantization.md; tinydeploy/exact.py implements that definition in numpy, and every kernel
+docs/quantization.md; tinydeploy/quant/exact.py implements that definition in numpy, and every kernel
 variant is tested against it bit for bit. In short: int32 accumulators on w - zw, the input
 zero point folded into the bias where no padding is read; the multiplier r = s_x s_w / s_y
 (float32, as a float implementation forms it) held exactly as M * 2**-S; QConv / QDense round
