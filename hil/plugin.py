@@ -325,8 +325,8 @@ def pytest_sessionfinish(session, exitstatus):
             except Exception:
                 pass
             b = e.board
-            meta["boards"][e.id] = {"manifest": e.manifest, "transport": e.transport, "name": b.get("name", ""),
-                                    "flash_bytes": b["flash_bytes"], "ram_bytes": b["ram_bytes"]}
+            meta["boards"][e.id] = {"manifest": e.manifest, "transport": e.transport, "name": b.name,
+                                    "flash_bytes": b.flash_bytes, "ram_bytes": b.ram_bytes}
         meta["not_fitting"] = hs.not_fitting
     tests = collect_report(config._hil_records)
     if config.getoption("--update-budgets"):

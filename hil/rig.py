@@ -63,7 +63,7 @@ class BoardEntry:
     notes: str = ""
 
     @property
-    def board(self) -> dict:
+    def board(self):
         return boards.get_board(self.manifest)
 
     @property
@@ -105,16 +105,16 @@ def parse_inventory(text: str, path="inventory") -> dict[str, BoardEntry]:
         if manifest not in known:
             raise RigError(f"{where}: no board manifest boards/{manifest}.json (known: {', '.join(sorted(known))})")
         b = known[manifest]
-        if b.get("kind") != "mcu":
-            raise RigError(f"{where}: boards/{manifest}.json is not a microcontroller (kind {b.get('kind')})")
-        transport = spec.get("transport", "qemu" if b["runner"] == "qemu-system" else "serial")
+        if not b.is_mcu:
+            raise RigError(f"{where}: boards/{manifest}.json is not a microcontroller (kind {b.kind})")
+        transport = spec.get("transport", "qemu" if b.is_qemu_machine else "serial")
         if transport not in TRANSPORTS:
             raise RigError(f"{where}: transport must be one of {', '.join(sorted(TRANSPORTS))}, not {transport!r}")
-        if transport == "qemu" and b["runner"] != "qemu-system" and not b.get("emulate_with"):
+        if transport == "qemu" and not b.is_qemu_machine and not b.emulate_with:
             raise RigError(f"{where}: transport qemu, but boards/{manifest}.json is neither a QEMU machine nor names emulate_with")
-        if transport == "serial" and b["runner"] == "qemu-system":
+        if transport == "serial" and b.is_qemu_machine:
             raise RigError(f"{where}: boards/{manifest}.json is a QEMU machine; use transport: qemu")
-        touch = bool((b.get("upload") or {}).get("touch_baud"))
+        touch = bool((b.upload or {}).get("touch_baud"))
         reset = spec.get("reset", "restart" if transport == "qemu" else "reopen")
         if reset not in RESETS[transport]:
             raise RigError(f"{where}: reset {reset!r} is not possible with transport {transport} "
@@ -134,7 +134,7 @@ def parse_inventory(text: str, path="inventory") -> dict[str, BoardEntry]:
             raise RigError(f"{where}: give flash_serial_number or flash_port, not both")
         if (spec.get("flash_serial_number") or spec.get("flash_port")) and not spec.get("flash"):
             raise RigError(f"{where}: flash_serial_number/flash_port without a flash: command")
-        baud = spec.get("baud", b.get("serial_baud", 115200))
+        baud = spec.get("baud", b.serial_baud)
         if isinstance(baud, bool) or not isinstance(baud, int) or baud <= 0:
             raise RigError(f"{where}: baud must be a positive integer, not {baud!r}")
         times = {}
@@ -392,14 +392,13 @@ class AppCache:
 
     def _build(self, entry: BoardEntry, model: str) -> App:
         from tinydeploy.pipeline import compile_model
-        from tinydeploy.targets import get_target
         path = self.model_path(model)
         board = entry.board
-        c = compile_model(path, get_target(board["target"]), board=entry.manifest)
+        c = compile_model(path, board.make_target(), board=entry.manifest)
         outdir = self.root / entry.id / path.stem
-        emulate = entry.emulated and board["runner"] != "qemu-system"
+        emulate = entry.emulated and not board.is_qemu_machine
         with file_lock(self.root / f".{entry.id}-{path.stem}.lock"):
-            fw = firmware.build_firmware(c.files, entry.manifest, outdir, emulate=emulate, force=True)
+            fw = firmware.build_firmware(c.files, board, outdir, emulate=emulate, force=True)
         g = c.graph
         ins = [(n, tuple(g.t(n).shape), np.dtype(g.t(n).dtype)) for n in g.inputs]
         outs = [(tuple(g.t(n).shape), np.dtype(g.t(n).dtype)) for n in g.outputs]
@@ -410,7 +409,6 @@ def models_that_fit(entry: BoardEntry, names: list[str], models_dir: Path) -> tu
     """The models whose weights and arena fit the board (tinydeploy.firmware.check_fits, before any
     compiling of C); the others with the reason."""
     from tinydeploy.pipeline import compile_model
-    from tinydeploy.targets import get_target
     fit, skipped = [], {}
     board = entry.board
     for name in names:
@@ -418,7 +416,7 @@ def models_that_fit(entry: BoardEntry, names: list[str], models_dir: Path) -> tu
         if not path.is_file():
             raise RigError(f"model {str(path)!r} does not exist (the MLPerf Tiny models belong in "
                            f"{DEFAULT_MODELS_DIR}, beside the checkout)")
-        c = compile_model(path, get_target(board["target"]), board=entry.manifest)
+        c = compile_model(path, board.make_target(), board=entry.manifest)
         try:
             firmware.check_fits(c.files, board)
         except TinydeployError as e:
@@ -565,7 +563,7 @@ class SerialTransport(Transport):
     def reset(self):
         self.close()
         if self.entry.reset == "touch1200":
-            self.touch((self.entry.board.get("upload") or {}).get("touch_baud", 1200))
+            self.touch((self.entry.board.upload or {}).get("touch_baud", 1200))
             time.sleep(1.0)
             if self.flasher is None:
                 raise RigError(f"board {self.entry.id!r}: reset touch1200 needs a flash command in the inventory")

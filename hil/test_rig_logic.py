@@ -30,7 +30,7 @@ def test_the_shipped_inventory_is_valid():
     inv = rig.load_inventory(rig.HIL_DIR / "boards.yml")
     assert inv["mps2-an386"].transport == "qemu" and inv["mps2-an386"].reset == "restart"
     nano = inv["nano33ble-qemu"]
-    assert nano.manifest == "nano33ble" and nano.emulated and nano.board["ram_bytes"] == 262_144
+    assert nano.manifest == "nano33ble" and nano.emulated and nano.board.ram_bytes == 262_144
     real = inv["nano33ble"]
     assert real.transport == "serial" and real.reset in ("reopen", "touch1200") and real.baud == 115200
     assert "{port}" in real.flash

@@ -264,9 +264,11 @@ def test_selection_is_explicit_and_printable():
     assert schedule.conv_choice({**g_params, "G": 64, "M": 64}, "avx2", "auto") == "conv2d_dw"
     assert schedule.conv_choice({**g_params, "C": 2, "M": 2, "H": 4, "W": 4, "OH": 4, "OW": 4}, "avx2", "auto") == "ref"
     assert schedule.conv_choice(g_params, "avx2", "ref") == "ref"
-    for isa in select.TILES:
-        for mr, nr, _ in select.TILES[isa]:
-            assert mr >= 1 and nr % {"avx2": 8, "avx512": 16, "neon": 4, "ref": 1}[isa] == 0
+    from tinydeploy.targets.isa import ISAS
+    lanes = {"avx2": 8, "avx512": 16, "neon": 4, "neon-dotprod": 4, "ref": 1}
+    for isa in ISAS.values():
+        for mr, nr, _ in isa.tiles:
+            assert mr >= 1 and nr % lanes[isa.name] == 0
     assert schedule.vector_act("(v > 0.0f ? v : 0.0f)") == [("relu", "")]
     assert schedule.vector_act("((v < 0.0f ? 0.0f : v) > 6.0f ? 6.0f : (v < 0.0f ? 0.0f : v))") == [("lo", "0.0f"), ("hi", "6.0f")]
     assert schedule.vector_act("(v >= 0.0f ? v : 0.01f * v)") is None      # scalar epilogue

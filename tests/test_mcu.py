@@ -3,6 +3,7 @@ and MLPerf Tiny models run under QEMU (mps2-an386) against onnxruntime with exac
 instruction counts."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -61,20 +62,20 @@ def kws(toolchain):
 def test_mcu_boards_are_valid_data():
     b = boards.load_all()
     an386, nano = b["mps2-an386"], b["nano33ble"]
-    assert an386["runner"] == "qemu-system" and an386["qemu"]["machine"] == "mps2-an386"
-    assert (an386["flash_origin"], an386["ram_origin"]) == (0, 0x20000000)
-    assert nano["flash_bytes"] == 983_040 and nano["flash_origin"] == 0x10000
-    assert nano["ram_bytes"] == 262_144 and nano["clock_hz"] == 64_000_000
-    assert nano["emulate_with"] == "mps2-an386" and nano["upload"]["tool"] == "bossac"
+    assert an386.is_qemu_machine and an386.qemu["machine"] == "mps2-an386"
+    assert (an386.flash_origin, an386.ram_origin) == (0, 0x20000000)
+    assert nano.flash_bytes == 983_040 and nano.flash_origin == 0x10000
+    assert nano.ram_bytes == 262_144 and nano.clock_hz == 64_000_000
+    assert nano.emulator() is an386 and nano.upload["tool"] == "bossac"
     for board in (an386, nano):
-        assert (firmware.MCU_TEMPLATES / f"port_{board['port']}.c").is_file()
-        assert board["target"] == "cortex-m4"
+        assert (firmware.MCU_TEMPLATES / f"port_{board.port}.c").is_file()
+        assert board.target == "cortex-m4" and board.make_target().isa_with_role("dsp8") == "cortex-m4-dsp"
 
 
 @pytest.mark.parametrize("change", [{"port": "Bad-Port"}, {"serial_baud": 300}, {"ram_bytes": 0},
                                     {"flash_origin": -1}, {"emulate": "mps2-an386"}])
 def test_invalid_mcu_manifests_are_refused(change):
-    data = dict(boards.get_board("nano33ble"), **change)
+    data = dict(boards.manifest_data("nano33ble"), **change)
     with pytest.raises(TinydeployError, match="invalid board manifest"):
         boards.validate(data, "nano33ble.json")
 
@@ -168,8 +169,8 @@ def test_link_overflow_is_reported_with_the_numbers(kws, tmp_path, monkeypatch):
     """A model that passes the weights/arena estimate but not the link (code + weights) still
     gets a one-line answer with the numbers."""
     c = kws[0]
-    board = dict(boards.get_board("nano33ble"), flash_bytes=95_000)
-    monkeypatch.setattr(mcu, "mcu_board", lambda board_id: board)
+    board = dataclasses.replace(boards.get_board("nano33ble"), flash_bytes=95_000)
+    monkeypatch.setattr(firmware, "mcu_board", lambda board_id: board)
     with pytest.raises(TinydeployError) as e:
         firmware.build_firmware(c.files, "nano33ble", tmp_path / "fw")
     msg = str(e.value)
@@ -262,7 +263,7 @@ def test_mps2_instruction_counter_is_exact_at_every_timer_phase(toolchain, tmp_p
                         "-o", "probe.elf", "probe.c", str(src / "startup_cortex_m.c"), str(src / "port_mps2_an386.c")],
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    q = board["qemu"]
+    q = board.qemu
     r = subprocess.run([q["binary"], "-M", q["machine"], "-display", "none", "-monitor", "none", "-icount", "shift=0",
                         "-semihosting-config", "enable=on,target=native", "-serial", "stdio",
                         "-kernel", str(tmp_path / "probe.elf")], capture_output=True, text=True, timeout=120,
@@ -277,8 +278,8 @@ def test_mps2_instruction_counter_is_exact_at_every_timer_phase(toolchain, tmp_p
 def test_qemu_that_cannot_start_is_reported(toolchain, tmp_path):
     elf = tmp_path / "fw.elf"
     elf.write_bytes(b"\x7fELF not really")
-    board = dict(boards.get_board("mps2-an386"))
-    board["qemu"] = dict(board["qemu"], machine="no-such-machine")
+    board = boards.get_board("mps2-an386")
+    board = dataclasses.replace(board, qemu=dict(board.qemu, machine="no-such-machine"))
     with pytest.raises(TinydeployError, match="QEMU did not start .machine .no-such-machine.*unsupported machine type"):
         with emulator.Emulator(elf, board):
             pass

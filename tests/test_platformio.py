@@ -7,6 +7,7 @@ path that reaches for the PlatformIO registry fails at once and is reported, ins
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import os
 import shutil
 import struct
@@ -231,7 +232,7 @@ def make_project(project: Path, board_id: str) -> dict:
                      src={"startup.c": STARTUP_C, "semihost.c": SEMIHOST_C, "main.c": MAIN_C},
                      include={"semihost.h": SEMIHOST_H},
                      lib={"tiny_model.h": MODEL_H, "tiny_model.c": MODEL_C})
-    (project / "link.ld").write_text(LINKER.format(**board))
+    (project / "link.ld").write_text(LINKER.format(**dataclasses.asdict(board)))
     return board
 
 
@@ -251,7 +252,7 @@ def test_core_folder_is_complete_and_second_ensure_is_fast(pio_core):
     gcc_link = core / "tinydeploy" / "toolchain-gccarmnoneeabi" / "bin" / "arm-none-eabi-gcc"
     assert gcc_link.is_symlink() and os.path.samefile(gcc_link, shutil.which("arm-none-eabi-gcc"))
     pboards = core / "tinydeploy" / "platform-cortexm" / "boards"
-    mcu = sorted(b for b, d in boards.load_all().items() if d["kind"] == "mcu")
+    mcu = sorted(b for b, d in boards.load_all().items() if d.is_mcu)
     assert sorted(p.stem for p in pboards.glob("*.json")) == mcu
     env = pio_core["env"]
     assert env["PLATFORMIO_CORE_DIR"] == str(core)

@@ -185,9 +185,9 @@ def _dispatch(args, command: str) -> int:
     if args.cmd == "boards":
         for b in boards.load_all().values():
             mem = ""
-            if b.get("ram_bytes"):
-                mem = f"  RAM {b['ram_bytes'] // 1024} KB, flash {b['flash_bytes'] // 1024} KB"
-            print(f"{b['id']:<14} {b['name']}  [target {b['target']}, runs via {b['runner']}]{mem}")
+            if b.ram_bytes:
+                mem = f"  RAM {b.ram_bytes // 1024} KB, flash {b.flash_bytes // 1024} KB"
+            print(f"{b.id:<14} {b.name}  [target {b.target}, runs via {b.runner}]{mem}")
         return 0
     if args.cmd == "ops":
         import onnx
@@ -243,8 +243,8 @@ def _dispatch(args, command: str) -> int:
         from tinydeploy import firmware
         from tinydeploy.firmware import pio
         board = boards.get_board(args.board)
-        if board["kind"] != "mcu" or board["runner"] != "serial":
-            raise TinydeployError(f"{args.board} is not a board to flash (it runs via {board['runner']})")
+        if not board.is_mcu or board.runner != "serial":
+            raise TinydeployError(f"{args.board} is not a board to flash (it runs via {board.runner})")
         folder = Path(args.builddir) if args.builddir else None
         if folder is None or not (folder / "pio.ini").is_file():
             raise TinydeployError("give the folder `tinydeploy build --board " + args.board + "` wrote "

@@ -20,7 +20,6 @@ from tinydeploy import schedule
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import Compiled, compile_model
-from tinydeploy.targets import get_target
 
 FP32_RTOL = 1e-4
 MAX_THREADS = 256
@@ -31,8 +30,8 @@ def check_threads(board: dict, threads) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
         raise TinydeployError(f"--threads must be a whole number from 1 to {MAX_THREADS}, "
                               f"not {printable(str(threads), 20)!r}")
-    if threads > 1 and board["kind"] == "mcu":
-        raise TinydeployError(f"--threads is for Linux boards (host, rpi4, jetson-*); {board['id']} is a "
+    if threads > 1 and board.is_mcu:
+        raise TinydeployError(f"--threads is for Linux boards (host, rpi4, jetson-*); {board.id} is a "
                               "single-core microcontroller: leave --threads out")
     return threads
 
@@ -88,36 +87,37 @@ def build_mcu(model: Path, board: dict, outdir: Path, force: bool, input_shapes,
     """Microcontroller boards: the model's C plus the firmware harness and the board's port, as a
     project with a Makefile and a platformio.ini, built offline; refused with numbers if too big."""
     from tinydeploy import firmware
-    log(f"compiling {printable(model.name)} for {board['id']}{' (emulated)' if emulate else ''}")
-    target = get_target(board["target"])
-    c = compile_model(model, target, input_shapes, command=command, board=board["id"],
+    log(f"compiling {printable(model.name)} for {board.id}{' (emulated)' if emulate else ''}")
+    target = board.make_target()
+    c = compile_model(model, target, input_shapes, command=command, board=board.id,
                       max_weights_bytes=max_weights_bytes)
     log(f"building firmware with {builder} in {outdir}")
-    fw = firmware.build_firmware(c.files, board["id"], outdir, emulate=emulate, force=force, builder=builder)
-    summary = _summary(model, board["id"], outdir, c, sorted(p.name for p in outdir.iterdir()))
+    fw = firmware.build_firmware(c.files, board, outdir, emulate=emulate, force=force, builder=builder)
+    summary = _summary(model, board.id, outdir, c, sorted(p.name for p in outdir.iterdir()))
     summary["firmware"] = {k: v for k, v in fw.memory.items() if k != "sections"}
     summary["elf"] = str(fw.elf)
     return BuildResult(outdir, fw.elf, c, False, summary, fw)
 
 
-def build(model, board_id: str = "host", outdir=None, force: bool = False, input_shapes=None,
+def build(model, board="host", outdir=None, force: bool = False, input_shapes=None,
           command: str = "", reuse: bool = False, quiet: bool = False, extra_cflags=None, cc=None,
           emulate: bool = False, builder: str | None = None, threads: int = 1,
           max_weights_bytes=None) -> BuildResult:
     """`max_weights_bytes`: the weights budget (bytes; None: TINYDEPLOY_MAX_WEIGHTS_BYTES, else
     sized against this machine's memory; see tinydeploy.limits)."""
     model = Path(model)
-    board = boards.get_board(board_id)
+    board = boards.get_board(board)
+    board_id = board.id
     check_threads(board, threads)
-    target = bld.with_threads(get_target(board["target"]), threads)
-    emulate = emulate and board["kind"] == "mcu" and board["runner"] != "qemu-system"
+    target = bld.with_threads(board.make_target(), threads)
+    emulate = emulate and board.is_mcu and not board.is_qemu_machine
     outdir = Path(outdir) if outdir else default_outdir(model, board_id + ("-emulated" if emulate else ""))
     log = (lambda m: None) if quiet else progress
     if not model.is_file():
         raise TinydeployError(f"model file {printable(str(model))!r} does not exist or is not a file")
-    if board["kind"] == "mcu":
+    if board.is_mcu:
         return build_mcu(model, board, outdir, force, input_shapes, command, log, emulate,
-                         builder or ("make" if emulate or board["runner"] == "qemu-system" else "pio"),
+                         builder or ("make" if emulate or board.is_qemu_machine else "pio"),
                          max_weights_bytes)
     from tinydeploy.frontend.importer import sha256_file
     key = bld.build_key(sha256_file(model), board_id,
@@ -284,21 +284,24 @@ def reference_model_bytes(model: Path) -> bytes:
     return load_model(model).SerializeToString()
 
 
-def runner_prefix(board: dict, emulate: bool) -> list[str]:
+def runner_prefix(board, emulate: bool) -> list[str]:
     """How to start the harness binary of a Linux board here: natively (host) or under QEMU."""
-    if board["id"] == "host" or board["kind"] != "linux":
+    if board.runs_here or not board.is_linux:
         return []
+    cmd = board.qemu_user
+    if cmd is None:
+        raise TinydeployError(f"board {board.id} is not this machine and its manifest names no user-mode QEMU; "
+                              "run it on the board (`tinydeploy deploy`)")
     if not emulate:
-        raise TinydeployError(f"board {board['id']} is not this machine: add --emulate to run the build under "
-                              f"{board['qemu']['user']} here")
+        raise TinydeployError(f"board {board.id} is not this machine: add --emulate to run the build under "
+                              f"{cmd[0]} here")
     import shutil
-    tool = board["qemu"]["user"]
-    if shutil.which(tool) is None:
-        raise TinydeployError(f"{tool} not found; install it (Debian: apt-get install qemu-user)")
-    return [tool, "-cpu", board["qemu"]["cpu"]]
+    if shutil.which(cmd[0]) is None:
+        raise TinydeployError(f"{cmd[0]} not found; install it (Debian: apt-get install qemu-user)")
+    return cmd
 
 
-def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=None, outdir=None,
+def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outdir=None,
         force: bool = False, command: str = "", quiet: bool = False, extra_cflags=None, cc=None,
         latency: bool = True, emulate: bool = False, executor=None, runs: int | None = None,
         seconds: float = 1.0, threads: int = 1, max_weights_bytes=None) -> dict:
@@ -308,16 +311,17 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
     fixes the number of timed runs (default: as many as fit in about `seconds`; none for the
     default executor under QEMU, whose time means nothing)."""
     model = Path(model)
-    board = boards.get_board(board_id)
+    board = boards.get_board(board)
+    board_id = board.id
     check_threads(board, threads)
-    if board["kind"] == "mcu" and board["runner"] != "qemu-system" and not emulate:
+    if board.is_mcu and not board.is_qemu_machine and not emulate:
         raise TinydeployError(f"{board_id} is a real board: add --emulate to run its firmware under QEMU here, "
                               f"or flash it (`tinydeploy build --board {board_id}`, then PlatformIO upload) and "
                               f"run the rig: pytest hil --board {board_id} --port PORT")
     prefix = runner_prefix(board, emulate) if executor is None else []
     ex = executor or functools.partial(execute, prefix=prefix)
-    emulated = emulate and board["kind"] == "linux" and board_id != "host"
-    b = build(model, board_id, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
+    emulated = emulate and board.is_linux and not board.runs_here
+    b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
               extra_cflags=extra_cflags, cc=cc, emulate=emulate, threads=threads,
               max_weights_bytes=max_weights_bytes)
     specs = io_specs(b.summary, "inputs")
@@ -327,7 +331,7 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
     if b.firmware is not None:
         from tinydeploy import firmware
         log = (lambda m: None) if quiet else progress
-        log(f"running under QEMU ({b.firmware.machine['id']}, -icount: exact instruction counts)")
+        log(f"running under QEMU ({b.firmware.machine.id}, -icount: exact instruction counts)")
         got, instructions, details = firmware.run_firmware(b.firmware, [feeds[n] for n, _, _ in specs], out_specs)
     else:
         got, _ = ex(b.exe, [feeds[n] for n, _, _ in specs], out_specs, runs=0)
@@ -340,7 +344,7 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
                          "weights_bytes": b.summary["weights_bytes"]}}
     if b.firmware is not None:
         fwm = b.summary["firmware"]
-        clock = board.get("clock_hz")
+        clock = board.clock_hz
         result["latency"] = {"median_ms": instructions / clock * 1000.0 if clock else None, "runs": 1,
                              "instructions": instructions,
                              "note": "instructions per inference, exact under QEMU -icount; median_ms = "
@@ -348,7 +352,7 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
         result["memory"].update(flash_bytes=fwm["flash_used_bytes"], ram_bytes=fwm["ram_used_bytes"],
                                 flash_limit_bytes=fwm["flash_bytes"], ram_limit_bytes=fwm["ram_bytes"],
                                 stack_used_bytes=details["stack_used_bytes"])
-        result["emulated"] = board["runner"] != "qemu-system" or board_id == "mps2-an386"
+        result["emulated"] = True    # microcontroller firmware runs under QEMU here
     elif emulated and not runs and executor is None:
         result["emulated"] = True   # user-mode QEMU: results are real, time is not
     elif latency:
@@ -362,7 +366,7 @@ def run(model, board_id: str = "host", inputs=None, seed: int = 0, input_shapes=
     return result
 
 
-def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
+def measure(model, board, port: str | None, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
             force: bool = False, command: str = "", quiet: bool = False, runs: int | None = None,
             timeout: float = 60.0, energy: bool = False, sysfs_root="/", emulate: bool = False,
             max_weights_bytes=None) -> dict:
@@ -372,13 +376,14 @@ def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, 
     from tinydeploy import firmware
     from tinydeploy.runners.protocol import Device
     model = Path(model)
-    board = boards.get_board(board_id)
-    if board["kind"] == "linux":
+    board = boards.get_board(board)
+    board_id = board.id
+    if board.is_linux:
         if port:
             raise TinydeployError(f"--port is for microcontroller boards; measure {board_id} on the board itself "
                                   f"(or here with --emulate), or from here with `tinydeploy deploy --ssh user@host`")
         from tinydeploy.runners import energy as en
-        return en.measure_local(model, board_id, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
+        return en.measure_local(model, board, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
                                 input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet,
                                 max_weights_bytes=max_weights_bytes)
     if energy:
@@ -388,11 +393,11 @@ def measure(model, board_id: str, port: str | None, inputs=None, seed: int = 0, 
         raise TinydeployError(f"{board_id} is a microcontroller: give its serial port with --port (/dev/ttyACM0, or "
                               "a pyserial URL)")
     runs = runs or 1
-    b = build(model, board_id, outdir, force, input_shapes, command, quiet=quiet, max_weights_bytes=max_weights_bytes)
+    b = build(model, board, outdir, force, input_shapes, command, quiet=quiet, max_weights_bytes=max_weights_bytes)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
-    with Device(port, timeout=timeout, baudrate=int(board.get("serial_baud", 115200))) as dev:
+    with Device(port, timeout=timeout, baudrate=int(board.serial_baud)) as dev:
         dev.wait_boot(timeout=timeout)
         got, counts, stack_used = firmware.infer_on_device(dev, b.firmware.memory, [feeds[n] for n, _, _ in specs],
                                                       out_specs, runs=runs)

@@ -59,8 +59,9 @@ def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=No
 def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
           threads: int = 1, max_weights_bytes=None) -> list[dict]:
     from tinydeploy.targets import boards
-    flow.check_threads(boards.get_board(board), threads)
-    if boards.get_board(board)["kind"] == "mcu":
+    board_obj = boards.get_board(board)
+    flow.check_threads(board_obj, threads)
+    if board_obj.is_mcu:
         return bench_mcu(models, board, as_json, max_weights_bytes)
     rows = []
     for m in models:
@@ -104,7 +105,7 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
     from tinydeploy.targets import boards
     from tinydeploy.errors import TinydeployError
     b_info = boards.get_board(board)
-    if b_info["kind"] == "mcu":
+    if b_info.is_mcu:
         raise TinydeployError(f"bench --layers times layers of Linux boards; for {board} use `tinydeploy bench "
                               f"--board {board}` (instruction counts per inference)")
     prefix = flow.runner_prefix(b_info, emulate)

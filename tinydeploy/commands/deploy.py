@@ -5,7 +5,6 @@ temporary folder, run with ssh, outputs copied back) and compare with onnxruntim
 board's temporary folder is removed afterwards, also after errors and Ctrl-C."""
 from __future__ import annotations
 
-import platform
 import tempfile
 from pathlib import Path
 
@@ -14,22 +13,18 @@ from tinydeploy.targets import boards
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.runners.ssh import Remote
-from tinydeploy.targets import get_target
 
-_ARCH_ALIASES = {"arm64": "aarch64", "amd64": "x86_64", "AMD64": "x86_64"}
-# gcc flags of the host target that need a CPU feature (as named in /proc/cpuinfo) on the board
-_FEATURE_FLAGS = {"-mavx2": "avx2", "-mfma": "fma", "-mavx512f": "avx512f"}
+def expected_machine(board) -> str:
+    """`uname -m` a board's binaries need (its target says: aarch64 for the Cortex-A targets, this
+    machine's for the host target)."""
+    machine = board.make_target().machine
+    if machine is None:
+        raise TinydeployError(f"board {board.id} (target {board.target}) is not a Linux board to deploy to")
+    return machine
 
 
-def expected_machine(board: dict) -> str:
-    """`uname -m` a board's binaries need: aarch64 for the Cortex-A targets, this machine's for host."""
-    target = board["target"]
-    if target.startswith("aarch64-"):
-        return "aarch64"
-    if target == "host":
-        m = platform.machine()
-        return _ARCH_ALIASES.get(m, m)
-    raise TinydeployError(f"board {board['id']} (target {target}) is not a Linux board to deploy to")
+def _uname(text: str) -> str:
+    return {"arm64": "aarch64", "amd64": "x86_64", "AMD64": "x86_64"}.get(text, text)
 
 
 def check_board(remote: Remote, board: dict) -> str:
@@ -40,15 +35,17 @@ def check_board(remote: Remote, board: dict) -> str:
     if r.returncode != 0 or not lines:
         raise TinydeployError(f"could not ask {remote.target} for its architecture (`uname -m` failed); is it a "
                               "Linux machine?")
-    machine = _ARCH_ALIASES.get(lines[0].strip(), lines[0].strip())
+    machine = _uname(lines[0].strip())
     want = expected_machine(board)
     if machine != want:
-        hint = {"aarch64": "rpi4, jetson-orin or jetson-xavier"}.get(machine, "host (when it is this kind of machine)")
-        raise TinydeployError(f"{remote.target} is {printable(machine, 40)} but board {board['id']} builds for {want}; "
+        fits = [b.id for b in boards.load_all().values() if b.is_linux and b.make_target().machine == machine]
+        hint = ", ".join(fits) or "none of the known boards"
+        raise TinydeployError(f"{remote.target} is {printable(machine, 40)} but board {board.id} builds for {want}; "
                               f"pick the board that matches it (--board {hint})")
-    if board["target"] == "host" and len(lines) > 1:
+    if board.runs_here and len(lines) > 1:
+        from tinydeploy.targets import FEATURES
         have = set(lines[1].split(":", 1)[-1].split())
-        missing = sorted({_FEATURE_FLAGS[f] for f in get_target("host").cflags if f in _FEATURE_FLAGS} - have)
+        missing = sorted(f for f in board.make_target().needed_features() if FEATURES[f] not in have)
         if missing:
             raise TinydeployError(f"{remote.target} lacks the CPU features {', '.join(missing)} this machine's host "
                                   "build uses; build on a machine like the board (or on the board itself)")
@@ -95,7 +92,8 @@ def deploy(model, board_id: str, ssh: str, port: int | None = None, identity: st
     """Cross-build, run on the board over ssh, compare with onnxruntime: flow.run's report plus
     "remote" (where it ran)."""
     board = boards.get_board(board_id)
-    if board["kind"] != "linux":
+    board_id = board.id
+    if not board.is_linux:
         raise TinydeployError(f"deploy runs Linux boards over ssh; {board_id} is a microcontroller (flash it: "
                               f"`tinydeploy flash --board {board_id}`)")
     if runs is not None and not 1 <= runs <= 100000:
@@ -106,7 +104,7 @@ def deploy(model, board_id: str, ssh: str, port: int | None = None, identity: st
     machine = check_board(remote, board)
     model = Path(model)
     extra = None
-    if board["target"] == "host" and "-static" not in get_target("host").cflags:
+    if board.runs_here and "-static" not in board.make_target().cflags:
         extra = ["-static"]      # a static binary does not depend on the board's C library
         outdir = outdir or flow.default_outdir(model, "host-static")
     with remote.tempdir(remote_dir) as d:

@@ -1,7 +1,7 @@
 """Microcontroller firmware: a self-contained project folder around the generated model, built
 with arm-none-eabi-gcc through its own Makefile, a memory report from the ELF, and runs under QEMU.
 
-    files = compile_model(onnx, get_target("cortex-m4"), board="mps2-an386").files
+    files = compile_model(onnx, get_board("mps2-an386").make_target(), board="mps2-an386").files
     fw = build_firmware(files, "mps2-an386", "out/")      # out/Makefile, out/src/..., out/build/firmware.elf
     outputs, instructions, memory = run_on_emulator(files, "nano33ble", [x], out_specs)
 
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from functools import lru_cache
 from fractions import Fraction
 from pathlib import Path
 
@@ -22,43 +23,23 @@ import numpy as np
 
 from tinydeploy import __version__
 from tinydeploy.targets import boards
+from tinydeploy.targets.boards import Board
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
-from tinydeploy.targets import get_target
 
 MCU_TEMPLATES = kreg.TEMPLATES / "mcu"
 COMMON = ["harness.c", "harness.h", "port.h", "startup_cortex_m.c"]
 MODEL_SOURCES = ["model.c", "td_kernels.c", "td_weights.c"]
 MODEL_HEADERS = ["model.h", "td_kernels.h", "td_weights.h"]
-DEFAULT_STACK = 8192
 MARKER = ".tinydeploy.json"
-MODEL_IDS = {"kws": "kws01", "ic": "ic01", "vww": "vww01", "ad": "ad01"}
 
 
 # ---- boards ---------------------------------------------------------------------------------
 
-def mcu_board(board_id: str) -> dict:
-    b = boards.get_board(board_id)
-    if b["kind"] != "mcu":
-        raise TinydeployError(f"board {board_id!r} is not a microcontroller (kind {b['kind']})")
-    for key in ("flash_bytes", "ram_bytes", "port"):
-        if not b.get(key):
-            raise TinydeployError(f"boards/{board_id}.json: a microcontroller board needs {key!r}")
-    return b
-
-
-def emulation_board(board: dict) -> dict:
-    """The QEMU machine that runs firmware for `board`: itself, or its emulate_with board."""
-    if board["runner"] == "qemu-system":
-        return board
-    other = board.get("emulate_with")
-    if not other:
-        raise TinydeployError(f"board {board['id']!r} cannot be emulated (its manifest names no emulate_with)")
-    machine = mcu_board(other)
-    if machine["runner"] != "qemu-system":
-        raise TinydeployError(f"boards/{board['id']}.json: emulate_with {other!r} is not a QEMU machine")
-    return machine
+def mcu_board(board) -> Board:
+    """The Board (of an id or a Board), checked to be a microcontroller with what firmware needs."""
+    return boards.get_board(board).require_mcu()
 
 
 # ---- model facts from the generated sources ---------------------------------------------------
@@ -80,10 +61,21 @@ def model_facts(files: dict[str, str]) -> dict:
             "inputs_int8": all(re.search(rf"#define TD_INPUT{i}_DTYPE TD_INT8\b", h) for i in range(n_in))}
 
 
+@lru_cache(maxsize=1)
+def _profiles() -> dict:
+    """firmware_templates/mcu/profiles.json: the MLPerf Tiny profiles and what the harness does for each."""
+    return json.loads((MCU_TEMPLATES / "profiles.json").read_text())
+
+
 def model_id(model_name: str) -> str:
     """The MLPerf Tiny model id the EnergyRunner expects (kws01, ...), from the file name."""
     stem = re.split(r"[_.-]", model_name.lower())[0]
-    return MODEL_IDS.get(stem, re.sub(r"[^a-z0-9_]", "", stem)[:16] or "model")
+    return _profiles()["file_prefixes"].get(stem, re.sub(r"[^a-z0-9_]", "", stem)[:16] or "model")
+
+
+def profile(model_name: str) -> dict:
+    """What the harness does for the model's profile (profiles.json; {} for other models)."""
+    return _profiles()["profiles"].get(model_id(model_name), {})
 
 
 # ---- fitting --------------------------------------------------------------------------------
@@ -95,7 +87,7 @@ def _kb(n: int) -> str:
 def _too_big(facts: dict, board: dict, what: str, need: int, have: int, detail: str) -> TinydeployError:
     hint = ("quantise the model to int8 (weights and activations 4x smaller) or pick a board with more "
             f"{what}" if facts["weights_bytes"] or facts["arena_bytes"] else f"pick a board with more {what}")
-    return TinydeployError(f"{printable(facts['model'])} does not fit {board['id']}: needs {_kb(need)} of {what}, "
+    return TinydeployError(f"{printable(facts['model'])} does not fit {board.id}: needs {_kb(need)} of {what}, "
                            f"the board has {_kb(have)} ({detail}); {hint}")
 
 
@@ -103,13 +95,13 @@ def check_fits(files: dict[str, str], board: dict) -> None:
     """Refuses a model whose weights alone exceed the board's flash, or whose arena, input buffer
     and stack exceed its RAM, before anything is compiled."""
     f = model_facts(files)
-    stack = board.get("stack_bytes", DEFAULT_STACK)
-    if f["weights_bytes"] > board["flash_bytes"]:
-        raise _too_big(f, board, "flash", f["weights_bytes"], board["flash_bytes"],
+    stack = board.stack_bytes
+    if f["weights_bytes"] > board.flash_bytes:
+        raise _too_big(f, board, "flash", f["weights_bytes"], board.flash_bytes,
                        f"weights alone {_kb(f['weights_bytes'])}, before code")
     ram = f["arena_bytes"] + f["input_bytes"] + stack
-    if ram > board["ram_bytes"]:
-        raise _too_big(f, board, "RAM", ram, board["ram_bytes"],
+    if ram > board.ram_bytes:
+        raise _too_big(f, board, "RAM", ram, board.ram_bytes,
                        f"arena {f['arena_bytes']:,} B + input buffer {f['input_bytes']:,} B + stack {stack:,} B")
 
 
@@ -124,35 +116,35 @@ def project_files(files: dict[str, str], board_id: str, emulate: bool = False, d
     """Relative path -> text of the firmware project for `board_id` (emulate: for the QEMU machine
     that stands in for it, with the board's own memory limits)."""
     board = mcu_board(board_id)
-    machine = emulation_board(board) if emulate else board
-    target = get_target(machine["target"])
+    machine = board.emulator() if emulate else board
+    target = machine.make_target()
     facts = model_facts(files)
-    port = f"port_{machine['port']}.c"
+    port = f"port_{machine.port}.c"
     if not (MCU_TEMPLATES / port).is_file():
-        raise TinydeployError(f"boards/{machine['id']}.json names port {machine['port']!r} but {port} does not exist")
-    title = f"firmware for {facts['model']} on {board['id']}" + (f" (emulated by {machine['id']})" if emulate else "")
+        raise TinydeployError(f"boards/{machine.id}.json names port {machine.port!r} but {port} does not exist")
+    title = f"firmware for {facts['model']} on {board.id}" + (f" (emulated by {machine.id})" if emulate else "")
     out = {f"src/{n}": files[n] for n in MODEL_SOURCES + MODEL_HEADERS}
     for n in COMMON + [port]:
         out[f"src/{n}"] = (MCU_TEMPLATES / n).read_text()
     if bulk_timeout_ms is None:   # QEMU's virtual time runs slower than real time while polling
-        bulk_timeout_ms = int((machine.get("qemu") or {}).get("bulk_timeout_ms", 2000))
-    out["src/harness_config.h"] = _render("harness_config.h.j2", dut_name=dut_name or f"tinydeploy {board['id']}",
+        bulk_timeout_ms = int((machine.qemu or {}).get("bulk_timeout_ms", 2000))
+    out["src/harness_config.h"] = _render("harness_config.h.j2", dut_name=dut_name or f"tinydeploy {board.id}",
                                           model_id=model_id(facts["model"]), bulk_timeout_ms=int(bulk_timeout_ms),
-                                          # the EnergyRunner sends IC images as uint8; the int8 model wants v - 128
-                                          db_subtract_128=int(model_id(facts["model"]) == "ic01" and facts["inputs_int8"]))
+                                          db_subtract_128=int(bool(profile(facts["model"]).get("db_subtract_128"))
+                                                              and facts["inputs_int8"]))
     # Emulating: the machine's memory map, the board's sizes (so the link fails as on the board).
-    out["link.ld"] = _render("link.ld.j2", title=title, board_id=board["id"],
-                             flash_origin=machine.get("flash_origin", 0), ram_origin=machine.get("ram_origin", 0),
-                             flash_bytes=min(board["flash_bytes"], machine["flash_bytes"]),
-                             ram_bytes=min(board["ram_bytes"], machine["ram_bytes"]),
-                             stack_bytes=board.get("stack_bytes", DEFAULT_STACK))
+    out["link.ld"] = _render("link.ld.j2", title=title, board_id=board.id,
+                             flash_origin=machine.flash_origin, ram_origin=machine.ram_origin,
+                             flash_bytes=min(board.flash_bytes, machine.flash_bytes),
+                             ram_bytes=min(board.ram_bytes, machine.ram_bytes),
+                             stack_bytes=board.stack_bytes)
     sources = [f"src/{n}" for n in ["harness.c", "startup_cortex_m.c", port] + MODEL_SOURCES]
-    upload = None if emulate else board.get("upload")
-    qemu = machine.get("qemu") if machine["runner"] == "qemu-system" else None
+    upload = None if emulate else board.upload
+    qemu = machine.qemu if machine.is_qemu_machine else None
     out["Makefile"] = _render("Makefile.j2", title=title, cflags=" ".join(target.cflags), sources=sources,
                               qemu=qemu, upload=upload)
     extras = []
-    if not emulate and (MCU_TEMPLATES / "port_arduino.cpp").is_file() and board["runner"] == "serial":
+    if not emulate and (MCU_TEMPLATES / "port_arduino.cpp").is_file() and board.runner == "serial":
         out["arduino/port_arduino.cpp"] = (MCU_TEMPLATES / "port_arduino.cpp").read_text()
         extras.append("arduino/port_arduino.cpp")
     out["README.md"] = _render("README.md.j2", title=title, board=board, machine=machine, emulate=emulate,
@@ -185,7 +177,7 @@ _OVERFLOW = re.compile(r"region [`']?(FLASH|RAM)'? overflowed by (\d+) bytes")
 
 def make(outdir: Path, board: dict, jobs: int = 2) -> Path:
     """Runs the project's Makefile; returns build/firmware.elf."""
-    target = get_target(board["target"])
+    target = board.make_target()
     cc = target.compiler()         # a clear error when arm-none-eabi-gcc is missing
     if shutil.which("make") is None:
         raise TinydeployError("make not found (Debian: apt-get install make)")
@@ -200,7 +192,7 @@ def make(outdir: Path, board: dict, jobs: int = 2) -> Path:
         log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
         over = {m.group(1): int(m.group(2)) for m in _OVERFLOW.finditer(r.stderr)}
         if over:
-            raise TinydeployError("the firmware does not fit " + board["id"] + ": " + "; ".join(
+            raise TinydeployError("the firmware does not fit " + board.id + ": " + "; ".join(
                 f"{region} needs {_kb(_limit(outdir, region) + n)}, has {_kb(_limit(outdir, region))} "
                 f"(over by {n:,} B)" for region, n in over.items())
                 + "; quantise the model to int8 (4x smaller) or pick a bigger board")
@@ -216,7 +208,7 @@ def _limit(outdir: Path, region: str) -> int:
 
 def sections(elf: Path, board: dict) -> list[dict]:
     """Allocated sections of the ELF: name, size, vma, lma, load (has bytes in the image)."""
-    objdump = get_target(board["target"]).tool("objdump")
+    objdump = board.make_target().tool("objdump")
     r = subprocess.run([objdump, "-h", "-w", str(elf)], capture_output=True, text=True, timeout=60)
     if r.returncode != 0:
         raise TinydeployError(f"cannot read {elf}: {printable(r.stderr.strip(), 200)}")
@@ -233,22 +225,22 @@ def memory_report(elf: Path, files: dict[str, str], board: dict, machine: dict |
     """Flash = everything loaded into the image (code, constants and weights, .data's initial
     values); RAM = .stack reserve + .data + .bss (which holds the arena and input buffer)."""
     machine = machine or board
-    fo, ro = machine.get("flash_origin", 0), machine.get("ram_origin", 0)
+    fo, ro = machine.flash_origin, machine.ram_origin
     flash = ram = 0
     secs = sections(elf, machine)
     for s in secs:
-        if s["load"] and fo <= s["lma"] < fo + machine["flash_bytes"]:
+        if s["load"] and fo <= s["lma"] < fo + machine.flash_bytes:
             flash += s["size"]
-        if ro <= s["vma"] < ro + machine["ram_bytes"]:
+        if ro <= s["vma"] < ro + machine.ram_bytes:
             ram += s["size"]
     facts = model_facts(files)
     stack = next((s["size"] for s in secs if s["name"] == ".stack"), 0)
-    return {"board": board["id"], "built_for": machine["id"],
-            "flash_used_bytes": flash, "flash_bytes": board["flash_bytes"],
-            "ram_used_bytes": ram, "ram_bytes": board["ram_bytes"],
+    return {"board": board.id, "built_for": machine.id,
+            "flash_used_bytes": flash, "flash_bytes": board.flash_bytes,
+            "ram_used_bytes": ram, "ram_bytes": board.ram_bytes,
             "stack_reserved_bytes": stack, "arena_bytes": facts["arena_bytes"],
             "weights_bytes": facts["weights_bytes"], "input_buffer_bytes": facts["input_bytes"],
-            "fits": flash <= board["flash_bytes"] and ram <= board["ram_bytes"],
+            "fits": flash <= board.flash_bytes and ram <= board.ram_bytes,
             "sections": {s["name"]: s["size"] for s in secs}}
 
 
@@ -266,14 +258,14 @@ def build_firmware(files: dict[str, str], board_id: str, outdir=None, emulate: b
     """Writes the project (Makefile and platformio.ini), refuses a model that cannot fit, builds
     it with `builder` ("make" or "pio": PlatformIO, offline) and measures it."""
     board = mcu_board(board_id)
-    machine = emulation_board(board) if emulate else board
+    machine = board.emulator() if emulate else board
     check_fits(files, board)
     outdir = Path(outdir) if outdir else Path(tempfile.mkdtemp(prefix=f"tinydeploy-fw-{board_id}-"))
     write_project(outdir, files, board_id, emulate, force=force, **kw)
     from tinydeploy.firmware import pio
-    pio.write_platformio_ini(outdir, machine["id"], ldscript="link.ld", model=model_facts(files)["model"])
+    pio.write_platformio_ini(outdir, machine.id, ldscript="link.ld", model=model_facts(files)["model"])
     if builder == "pio":
-        elf = pio.pio_build(outdir, machine["id"], quiet=True)
+        elf = pio.pio_build(outdir, machine.id, quiet=True)
     elif builder == "make":
         elf = make(outdir, machine)
     else:
@@ -281,7 +273,7 @@ def build_firmware(files: dict[str, str], board_id: str, outdir=None, emulate: b
     mem = memory_report(elf, files, board, machine)
     if not mem["fits"]:
         raise TinydeployError(
-            f"{printable(model_facts(files)['model'])} does not fit {board['id']}: flash {mem['flash_used_bytes']:,} "
+            f"{printable(model_facts(files)['model'])} does not fit {board.id}: flash {mem['flash_used_bytes']:,} "
             f"of {mem['flash_bytes']:,} B, RAM {mem['ram_used_bytes']:,} of {mem['ram_bytes']:,} B; "
             "quantise the model to int8 (4x smaller) or pick a bigger board")
     (outdir / "memory.json").write_text(json.dumps(mem, indent=1) + "\n")
@@ -292,7 +284,7 @@ def build_firmware(files: dict[str, str], board_id: str, outdir=None, emulate: b
 
 def instructions_per_tick(machine: dict, tick_hz: int) -> Fraction:
     """Under -icount shift=N one instruction takes 2^N ns of virtual time."""
-    shift = int(machine["qemu"].get("icount_shift", 0))
+    shift = int(machine.qemu.get("icount_shift", 0))
     return Fraction(10 ** 9, tick_hz * 2 ** shift)
 
 
@@ -359,12 +351,12 @@ def run_on_emulator(compiled_files: dict[str, str], board_id: str, inputs: list[
     against `board_id`'s own flash and RAM, with the measured stack high-water mark and, for a
     real board, the latency its clock would give at one instruction per cycle (a lower bound)."""
     board = mcu_board(board_id)
-    emulate = board["runner"] != "qemu-system"
+    emulate = not board.is_qemu_machine
     with tempfile.TemporaryDirectory(prefix="tinydeploy-fw-") as tmp:
         fw = build_firmware(compiled_files, board_id, outdir or tmp, emulate=emulate, force=outdir is None)
         outs, instructions, details = run_firmware(fw, inputs, out_specs, runs=runs, warmup=warmup)
     mem = dict(fw.memory)
     mem["stack_used_bytes"] = details["stack_used_bytes"]
-    if emulate and board.get("clock_hz"):
-        mem["min_latency_ms_at_clock"] = instructions / board["clock_hz"] * 1000.0
+    if emulate and board.clock_hz:
+        mem["min_latency_ms_at_clock"] = instructions / board.clock_hz * 1000.0
     return outs, instructions, mem

@@ -34,29 +34,13 @@ from tinydeploy.targets import boards as boardlib
 from tinydeploy.build import file_lock
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.targets.cortex_m import cpu_option
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "platformio"
 PLATFORM_NAME = "platform-cortexm"       # folder of the assembled platform inside <core>/tinydeploy
 TOOLCHAIN_NAME = "toolchain-gccarmnoneeabi"
 DEFAULT_SCONS_VERSION = "4.41101.0"      # what PlatformIO 6.2 asks for (~4.41101.0); read from PlatformIO
 BUILD_TIMEOUT_S = 1800
-
-# CPU name (boards/<id>.json "cpu") -> gcc -mcpu, FPU (None: soft float) and float ABI.
-CPUS = {
-    "cortex-m0": ("cortex-m0", None, "soft"),
-    "cortex-m0plus": ("cortex-m0plus", None, "soft"),
-    "cortex-m3": ("cortex-m3", None, "soft"),
-    "cortex-m4": ("cortex-m4", "fpv4-sp-d16", "hard"),
-    "cortex-m4f": ("cortex-m4", "fpv4-sp-d16", "hard"),
-    "cortex-m7": ("cortex-m7", "fpv5-d16", "hard"),
-    "cortex-m33": ("cortex-m33", "fpv5-sp-d16", "hard"),
-}
-
-# Boards that also have a stock PlatformIO board (registry platform + Arduino framework). Those envs
-# need the registry, so tinydeploy only writes them for teams with internet and never builds them.
-REGISTRY_BOARDS = {
-    "nano33ble": {"platform": "nordicnrf52", "board": "nano33ble", "framework": "arduino"},
-}
 
 # Environment variables that would move parts of the core elsewhere (and so send pio to the registry).
 _RELOCATING_VARS = ("PLATFORMIO_PACKAGES_DIR", "PLATFORMIO_PLATFORMS_DIR", "PLATFORMIO_CORE_DIR")
@@ -141,31 +125,35 @@ def _gcc_package_version(gcc: Path) -> str:
 # Boards
 
 
-def cpu_flags(board: dict) -> list[str]:
-    """gcc flags for a board's CPU, e.g. -mcpu=cortex-m4 -mthumb -mfloat-abi=hard -mfpu=fpv4-sp-d16."""
-    cpu = str(board.get("cpu", "")).lower()
-    if cpu not in CPUS:
-        raise TinydeployError(f"board {board.get('id')!r}: CPU {printable(cpu)!r} is not supported by the "
-                              f"PlatformIO platform (known: {', '.join(CPUS)})")
-    mcpu, fpu, abi = CPUS[cpu]
-    flags = [f"-mcpu={mcpu}", "-mthumb", f"-mfloat-abi={abi}"]
-    return flags + ([f"-mfpu={fpu}"] if fpu else [])
+def _target(board) -> object:
+    target = board.make_target()
+    if not target.bare_metal or cpu_option(target, "-mcpu") is None:
+        raise TinydeployError(f"board {board.id!r} (target {target.name}) is not a Cortex-M board the PlatformIO "
+                              "platform builds for")
+    return target
 
 
-def pio_board_manifest(board: dict) -> dict:
+def cpu_flags(board) -> list[str]:
+    """The code-generation flags of a board's target that name its CPU, FPU and float ABI, e.g.
+    -mcpu=cortex-m4 -mthumb -mfloat-abi=hard -mfpu=fpv4-sp-d16 (targets/cortex_m.py)."""
+    return [f for f in _target(board).cflags if f.startswith(("-mcpu=", "-mfpu=", "-mfloat-abi=")) or f == "-mthumb"]
+
+
+def pio_board_manifest(board) -> dict:
     """A PlatformIO board manifest (boards/<id>.json of a platform) made from a tinydeploy board."""
-    mcpu, fpu, abi = CPUS[str(board.get("cpu", "")).lower()]
-    build = {"cpu": mcpu, "mcu": board.get("cpu", mcpu), "float_abi": abi}
+    target = _target(board)
+    mcpu, fpu, abi = (cpu_option(target, o) for o in ("-mcpu", "-mfpu", "-mfloat-abi"))
+    build = {"cpu": mcpu, "mcu": board.cpu or mcpu, "float_abi": abi or "soft"}
     if fpu:
         build["fpu"] = fpu
-    if board.get("clock_hz"):
-        build["f_cpu"] = f"{board['clock_hz']}L"
+    if board.clock_hz:
+        build["f_cpu"] = f"{board.clock_hz}L"
     upload: dict = {}
-    if board.get("ram_bytes"):
-        upload["maximum_ram_size"] = board["ram_bytes"]
-    if board.get("flash_bytes"):
-        upload["maximum_size"] = board["flash_bytes"]
-    up = board.get("upload") or {}
+    if board.ram_bytes:
+        upload["maximum_ram_size"] = board.ram_bytes
+    if board.flash_bytes:
+        upload["maximum_size"] = board.flash_bytes
+    up = board.upload or {}
     tool = str(up.get("protocol") or up.get("tool") or up.get("method") or "").lower()
     if tool in ("bossac", "sam-ba", "samba"):
         upload.update(protocol="sam-ba", protocols=["sam-ba"])
@@ -176,20 +164,26 @@ def pio_board_manifest(board: dict) -> dict:
         # bootloader, which comes back as a new serial port.
         upload.update(use_1200bps_touch=True, wait_for_upload_port=True)
     return {
-        "name": board["name"],
+        "name": board.name,
         "vendor": "tinydeploy",
         "url": "",
         "frameworks": [],
         "build": build,
         "upload": upload,
-        "tinydeploy": {"board": board["id"], "generated_from": f"boards/{board['id']}.json"},
+        "tinydeploy": {"board": board.id, "generated_from": f"boards/{board.id}.json"},
     }
 
 
-def _mcu_boards(all_boards: dict[str, dict] | None) -> dict[str, dict]:
+def _mcu_boards(all_boards: dict | None) -> dict:
+    """The microcontroller boards whose target is a Cortex-M core (the platform's boards)."""
     all_boards = boardlib.load_all() if all_boards is None else all_boards
-    return {bid: b for bid, b in all_boards.items()
-            if b.get("kind") == "mcu" and str(b.get("cpu", "")).lower() in CPUS}
+    out = {}
+    for bid, b in all_boards.items():
+        if b.is_mcu:
+            t = b.make_target()
+            if t.bare_metal and cpu_option(t, "-mcpu"):
+                out[bid] = b
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -395,15 +389,15 @@ def write_platformio_ini(project_dir: Path | str, board: str, *, ldscript: str =
     if board not in all_boards:
         raise TinydeployError(f"unknown board {printable(board)!r}; known boards: {', '.join(all_boards)}")
     b = all_boards[board]
-    if b.get("kind") != "mcu":
+    if not b.is_mcu:
         raise TinydeployError(f"board {board!r} is not a microcontroller; PlatformIO projects are for "
                               f"kind \"mcu\" boards")
-    # The platform adds -ffunction-sections -fdata-sections -Wall; the CPU flags are written here too so
-    # the file says what the code is compiled for.
-    flags = list(dict.fromkeys(cpu_flags(b) + ["-O2"] + list(build_flags or [])))
+    # The target's own flags (targets/): the same code generation, warnings and C standard as the
+    # Makefile's; the platform's -ffunction-sections -fdata-sections -Wall come again from it.
+    flags = list(dict.fromkeys(_target(b).cflags + list(build_flags or [])))
     core = core_dir()
     lines = [
-        f"; Generated by tinydeploy {__version__} for board {board} ({printable(b['name'], 80)})"
+        f"; Generated by tinydeploy {__version__} for board {board} ({printable(b.name, 80)})"
         + (f", model {printable(model, 60)}" if model else "") + ".",
         f"; [env:{board}] builds offline with tinydeploy's own PlatformIO platform and the system's",
         "; arm-none-eabi toolchain, from the PlatformIO core folder tinydeploy prepares (core_dir below);",
@@ -426,7 +420,7 @@ def write_platformio_ini(project_dir: Path | str, board: str, *, ldscript: str =
         *[f"    {_ini_value(f)}" for f in flags],
         "",
     ]
-    reg = REGISTRY_BOARDS.get(board)
+    reg = b.platformio   # the stock PlatformIO board, when there is one (boards/<id>.json "platformio")
     if reg:
         lines += [
             "; For teams WITH internet access only: this env needs the PlatformIO registry (the",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy import ir
-from tinydeploy.ops import Kernel, dtype_tag, float_only, register, window_2d
+from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, window_2d
 
 
 def conv_geometry(node: ir.Node, g: ir.Graph) -> dict:

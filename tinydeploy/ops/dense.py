@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy import ir
-from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
 from tinydeploy.ops.elementwise import broadcast_loops
 
 

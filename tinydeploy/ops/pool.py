@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tinydeploy import ir
-from tinydeploy.ops import Kernel, dtype_tag, float_only, register, window_2d
+from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, window_2d
 
 
 def _geometry(node: ir.Node, g: ir.Graph) -> dict:

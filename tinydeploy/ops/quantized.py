@@ -8,7 +8,7 @@ import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float, c_type
-from tinydeploy.ops import Kernel, dtype_tag, register
+from tinydeploy.ops.registry import Kernel, dtype_tag, register
 from tinydeploy.ops.conv import conv_geometry, conv_macs
 from tinydeploy.ops.elementwise import broadcast_loops
 from tinydeploy.ops.pool import _geometry as pool_geometry, pool_macs

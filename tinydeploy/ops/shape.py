@@ -6,7 +6,7 @@ import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float
-from tinydeploy.ops import Kernel, dtype_tag, float_only, register
+from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
 from tinydeploy.ops.elementwise import broadcast_loops
 
 

@@ -46,19 +46,19 @@ class Rail:
 
 
 def _where(board: dict, root: Path) -> str:
-    return " or ".join(f"{root / lay['dirs'] / lay['label'].replace('{n}', 'N')}" for lay in board["power_monitor"]["sysfs"])
+    return " or ".join(f"{root / lay['dirs'] / lay['label'].replace('{n}', 'N')}" for lay in board.power_monitor["sysfs"])
 
 
 def find_rails(board: dict, root="/") -> list[Rail]:
     """The board's rails (in manifest order) by label under the sysfs `root`; a one-line error
     naming what was looked for, and where, when one is missing."""
     root = Path(root)
-    pm = board.get("power_monitor")
+    pm = board.power_monitor
     if not pm:
         from tinydeploy.targets import boards
-        known = [f"{b['id']} ({', '.join(b['power_monitor']['rails'])})" for b in boards.load_all().values()
-                 if b.get("power_monitor")]
-        raise TinydeployError(f"board {board['id']} has no power monitor in its manifest, so --energy cannot measure "
+        known = [f"{b.id} ({', '.join(b.power_monitor['rails'])})" for b in boards.load_all().values()
+                 if b.power_monitor]
+        raise TinydeployError(f"board {board.id} has no power monitor in its manifest, so --energy cannot measure "
                               f"it; it reads the INA3221 rails of {', '.join(known)} from sysfs on the board")
     found, seen = {}, []
     for lay in pm["sysfs"]:
@@ -73,7 +73,7 @@ def find_rails(board: dict, root="/") -> list[Rail]:
                     found[label] = Rail(label, d / lay["voltage_mv"].format(n=n), d / lay["current_ma"].format(n=n))
     missing = [r for r in pm["rails"] if r not in found]
     if missing:
-        raise TinydeployError(f"{board['id']}: power rail{'s' if len(missing) > 1 else ''} {', '.join(missing)} not found "
+        raise TinydeployError(f"{board.id}: power rail{'s' if len(missing) > 1 else ''} {', '.join(missing)} not found "
                               f"(looked for the labels {', '.join(pm['rails'])} in {_where(board, root)}; found "
                               f"{printable(', '.join(seen), 120) or 'no labels'}); run on the board itself, or point "
                               "--sysfs-root at a copy of its sysfs")
@@ -173,16 +173,15 @@ def local_executor(board: dict, emulate: bool):
     """flow.run's executor for a Linux board's binary on this machine: natively when this machine
     is that kind of board, else under qemu-aarch64 with --emulate."""
     import functools
-    import platform
     from tinydeploy import flow
-    from tinydeploy.commands.deploy import expected_machine
+    from tinydeploy.targets import this_machine
     if emulate:
         return functools.partial(flow.execute, prefix=flow.runner_prefix(board, True))
-    here = {"arm64": "aarch64", "amd64": "x86_64"}.get(platform.machine().lower(), platform.machine())
-    if expected_machine(board) != here:
-        raise TinydeployError(f"this machine is {here}, not a {board['id']}: run `tinydeploy measure` on the board "
+    here = this_machine()
+    if board.make_target().machine != here:
+        raise TinydeployError(f"this machine is {here}, not a {board.id}: run `tinydeploy measure` on the board "
                               f"itself, add --emulate to run the build under QEMU here, or use `tinydeploy deploy "
-                              f"--board {board['id']} --ssh user@host`")
+                              f"--board {board.id} --ssh user@host`")
     return functools.partial(flow.execute, prefix=[])
 
 
@@ -197,7 +196,7 @@ def measure_local(model, board_id: str, energy: bool = False, sysfs_root="/", em
     rails = find_rails(board, sysfs_root) if energy else None
     inner = local_executor(board, emulate)
     ex = EnergyExecutor(inner, rails, min_window_s=0.0 if runs else MIN_WINDOW_S) if energy else inner
-    res = flow.run(model, board_id, emulate=emulate, executor=ex, runs=runs, seconds=seconds, **run_args)
+    res = flow.run(model, board, emulate=emulate, executor=ex, runs=runs, seconds=seconds, **run_args)
     if energy:
         res["energy"] = ex.report()
         res["latency"]["runs"] = ex.runs      # the window may have been lengthened

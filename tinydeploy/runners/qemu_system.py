@@ -61,12 +61,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def qemu_binary(board: dict) -> str:
-    q = board.get("qemu") or {}
+def qemu_binary(board) -> str:
+    q = board.qemu or {}
     name = q.get("binary", "qemu-system-arm")
     path = shutil.which(name)
     if path is None:
-        raise TinydeployError(f"{name} not found: emulating {board['id']} needs QEMU "
+        raise TinydeployError(f"{name} not found: emulating {board.id} needs QEMU "
                               "(Debian: apt-get install qemu-system-arm)")
     return path
 
@@ -74,9 +74,9 @@ def qemu_binary(board: dict) -> str:
 class Emulator:
     """One QEMU process running `elf` on a qemu-system board; a context manager."""
 
-    def __init__(self, elf, board: dict, boot_timeout: float = 30.0):
-        if board.get("runner") != "qemu-system" or "qemu" not in board:
-            raise TinydeployError(f"board {board.get('id')!r} is not a QEMU machine")
+    def __init__(self, elf, board, boot_timeout: float = 30.0):
+        if not board.is_qemu_machine or not board.qemu:
+            raise TinydeployError(f"board {board.id!r} is not a QEMU machine")
         self.elf = Path(elf)
         if not self.elf.is_file():
             raise TinydeployError(f"firmware {printable(str(self.elf))!r} does not exist")
@@ -90,14 +90,14 @@ class Emulator:
 
     @property
     def icount_shift(self) -> int:
-        return int(self.board["qemu"].get("icount_shift", 0))
+        return int(self.board.qemu.get("icount_shift", 0))
 
     @property
     def url(self) -> str:
         return f"socket://127.0.0.1:{self.port}"
 
     def command_line(self, port: int) -> list[str]:
-        q = self.board["qemu"]
+        q = self.board.qemu
         return [qemu_binary(self.board), "-M", q["machine"], "-display", "none", "-monitor", "none",
                 "-nodefaults", "-icount", f"shift={self.icount_shift}",
                 "-semihosting-config", "enable=on,target=native",
@@ -118,7 +118,7 @@ class Emulator:
                 text = self.output()
                 self.stop()
                 if "Address already in use" not in text:
-                    raise TinydeployError(f"QEMU did not start (machine {printable(self.board['qemu']['machine'])!r}, "
+                    raise TinydeployError(f"QEMU did not start (machine {printable(self.board.qemu['machine'])!r}, "
                                           f"firmware {printable(self.elf.name)}): {printable(text.strip(), 300) or 'no message'}")
             raise TinydeployError("QEMU could not get a free loopback port after 3 attempts")
         except BaseException:          # including KeyboardInterrupt: never leave QEMU behind

@@ -34,7 +34,7 @@ replace one by:
   dense_packed  fully connected with more than a few rows: the same GEMM with the weights
                 packed into NR-column panels at build time and the input rows packed at run time.
   ref           tiny layers (< MIN_MACS) and matrix-vector products keep the reference kernel.
-Micro-kernel variants (templates <family>_f32_<isa>.c.j2, tiles in TILES): portable C (`ref`,
+Micro-kernel variants (templates <family>_f32_<isa>.c.j2, tiles in targets/isa.py): portable C (`ref`,
 the fallback of every ISA), `avx2` (FMA, ymm), `avx512` (zmm, where the host has it), `neon`
 (vfmaq_laneq_f32). The choice is explicit: params["algo"] and a "[algo isa tile ...]" prefix of
 Kernel.desc (printed in the generated code's comments; `describe()` lists them).
@@ -45,7 +45,8 @@ measured algorithm, tile and blocking instead of the cost model's ("tuned" in it
 
 Run-time buffers (packed activations, padded planes) are kernel scratch: `scratch_bytes`,
 placed in the arena by the planner under the name "#scratch<step>" and passed as the kernel's
-last argument. Microcontroller targets (cortex-m*) keep the reference kernels unless forced.
+last argument. Targets without data caches (microcontrollers) keep the reference kernels unless
+forced, except for their own register-blocked kernels (schedule/mcu.py).
 
 `--threads N` (Linux targets): `parallelise` gives every fast layer params["THREADS"] =
 min(its independent blocks, N, its MACs / MIN_THREAD_MACS); its driver template then runs an
@@ -65,45 +66,35 @@ from tinydeploy.schedule import tuning
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
 from tinydeploy.schedule.mcu import select_mcu
+from tinydeploy.targets.isa import get_isa
 
-# Register tiles (MR rows x NR columns) each micro-kernel variant is generated for, with a
-# relative cost per multiply-accumulate (loads per FMA, latency cover). The templates take MR/NR
-# as parameters; build-time weight packing depends on them, so the choice is made here, per
-# layer, to waste the least padding on its M and N (e.g. 16 output channels: 4x24 or 8x8
-# rather than 6x16). Register budget: avx2 MR*NR/8 + NR/8 + 1 <= 16 ymm; avx512
-# MR*NR/16 + NR/16 + 1 <= 32 zmm; neon MR*NR/4 + MR/4 + NR/4 <= 32 q registers.
-TILES = {
-    "ref": [(4, 8, 1.0)],
-    "avx2": [(6, 16, 1.0), (4, 24, 1.0), (8, 8, 1.12), (12, 8, 1.08), (4, 16, 1.15)],
-    "avx512": [(8, 32, 1.0), (4, 48, 1.02), (12, 32, 1.15), (6, 64, 1.1), (24, 16, 1.05), (16, 16, 1.1),
-               (8, 16, 1.25)],
-    "neon": [(8, 12, 1.0), (12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.1)],
-}
+def _tiles(isa: str) -> tuple[tuple[int, int, float], ...]:
+    """The register tiles of an ISA's GEMM micro-kernels (targets/isa.py)."""
+    return get_isa(isa).tiles
 
 
 def ranked_tiles(isa: str, rows: int, cols: int) -> list[tuple[int, int]]:
-    """TILES[isa], least estimated cost first for a rows x cols output (padding + edge tiles)."""
+    """The ISA's tiles, least estimated cost first for a rows x cols output (padding + edge tiles)."""
     def cost(t):
         mr, nr, eff = t
         full = _round_up(rows, mr) * _round_up(cols, nr) * eff
         edges = (rows % mr != 0) * (cols // nr + 1) + (cols % nr != 0) * (rows // mr + 1)
         return full + edges * mr * nr
-    return [(mr, nr) for mr, nr, _ in sorted(TILES[isa], key=cost)]
+    return [(mr, nr) for mr, nr, _ in sorted(_tiles(isa), key=cost)]
 
 
 def pick_tile(isa: str, rows: int, cols: int, choice: dict | None = None) -> tuple[int, int]:
-    """The tile with the least estimated cost, or the tuned `choice`'s when it is one of TILES."""
+    """The tile with the least estimated cost, or the tuned `choice`'s when it is one of the ISA's."""
     forced = os.environ.get("TINYDEPLOY_TILE", "")      # e.g. "8x32": experiments and tests
     if forced:
         mr, nr = (int(v) for v in forced.lower().split("x"))
         return mr, nr
-    if choice and choice.get("tile") and tuple(choice["tile"]) in {t[:2] for t in TILES[isa]}:
+    if choice and choice.get("tile") and tuple(choice["tile"]) in {t[:2] for t in _tiles(isa)}:
         return tuple(choice["tile"])
     return ranked_tiles(isa, rows, cols)[0]
 
 # Cost model, in units of one micro-kernel multiply-accumulate (on padded tiles); measured
 # roughly on the host (AVX-512 / AVX2) with single layers of ResNet-8 and ResNet-50.
-REF_COST = {"ref": 1.5, "avx2": 5.0, "avx512": 8.0, "neon": 4.0}   # a reference direct-conv MAC
 PACK_COST = 11.0         # per im2col element gathered into the panels
 COPY_COST = 3.0          # per activation element copied (1x1 packing, padded planes)
 GATHER_COST = 6.0        # per element gathered with a stride (phase planes of a strided conv)
@@ -188,7 +179,7 @@ def conv_costs(p: dict, isa: str, l1: int = 32768, l2: int = 524288) -> dict[str
     mg, cg, k = M // G, C // G, (C // G) * p["KH"] * p["KW"]
     cols = p["OH"] * p["OW"]
     macs = p["N"] * M * cols * k
-    out = {"ref": macs * REF_COST[isa]}
+    out = {"ref": macs * get_isa(isa).ref_cost}
     mr, nr = pick_tile(isa, mg, cols)
     direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0
     padded = _round_up(mg, mr) * _round_up(cols, nr) * k
@@ -400,7 +391,6 @@ WINO_IN_COST = 10.0      # per element of V made by the input transform (rows, g
 WINO_OUT_COST = 10.0     # per element of M read by the output transform (A^T M A, bias, act, store)
 WINO_U_COST = 3.0        # per element of U streamed by each further block of tiles (from L2)
 WINO_MEM_COST = 45.0     # per element of U read beyond the direct weights, when U exceeds L2
-WINO_VL = {"ref": 8, "avx2": 8, "avx512": 16, "neon": 4}     # tiles side by side in the transforms
 
 
 def winograd_applies(p: dict) -> bool:
@@ -411,7 +401,7 @@ def _winograd_tile(isa: str, mg: int, tiles: int) -> tuple[int, int]:
     """The least padded tile: the GEMMs only see full tiles (no edge penalty as in pick_tile)."""
     if os.environ.get("TINYDEPLOY_TILE"):
         return pick_tile(isa, mg, tiles)
-    mr, nr, _ = min(TILES[isa], key=lambda t: _round_up(mg, t[0]) * _round_up(tiles, t[1]) * t[2])
+    mr, nr, _ = min(_tiles(isa), key=lambda t: _round_up(mg, t[0]) * _round_up(tiles, t[1]) * t[2])
     return mr, nr
 
 
@@ -474,7 +464,7 @@ def _select_winograd(g: ir.Graph, step: int, kern: Kernel, target, algo: str) ->
     mr, nr = _winograd_tile(isa, mg, -(-p["OH"] // wm) * -(-p["OW"] // wm))
     q = _winograd_plan(p, wm, mr, nr, int(getattr(target, "l2_bytes", 524288) or 524288))
     kc = blocking(target, mr, nr, cg, mg, q["NB"])[0]
-    vl = next(v for v in (WINO_VL[isa], 8, 4, 2, 1) if nr % v == 0)
+    vl = next(v for v in (get_isa(isa).winograd_lanes, 8, 4, 2, 1) if nr % v == 0)
     w = g.const(kern.args[1]).astype(np.float32)
     wname = _add_const(g, kern.args[-1] + f"_winograd{wm}", winograd_filters(w, p["G"], wm, mr))
     mp = _round_up(mg, mr)
@@ -577,9 +567,9 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
     force = _algo_env()
     # microcontrollers: weights packed for the DSP extension (8-bit) and the FPU (fp32) kernels
     kernels = select_mcu(g, kernels, target)
-    if target.name.startswith("cortex-m") and force == "auto":
-        # microcontrollers: no data cache to block for, RAM matters more; depthwise fp32
-        # convolutions take the padded-plane kernel (one plane of scratch)
+    if not target.caches and force == "auto":
+        # cores without a data cache to block for (microcontrollers), where RAM matters more:
+        # depthwise fp32 convolutions take the padded-plane kernel (one plane of scratch)
         return [_select_conv(g, s, k, target, "conv2d_dw")
                 if k is not None and k.family == "conv2d" and k.dtype == "f32" and is_depthwise(k.params) else k
                 for s, k in enumerate(kernels)]

@@ -32,8 +32,9 @@ from tinydeploy import ir
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
 
-ISA = "cortex-m4-dsp"
-FPU_ISA = "cortex-m4-fpu"
+# The target names the ISAs of these kernels by their role (targets/isa.py): "dsp8" for the 8-bit
+# SMLAD kernels, "fpu32" for the fp32 FPU ones.
+DSP_ROLE, FPU_ROLE = "dsp8", "fpu32"
 # Words of arena scratch (planned like any tensor, for the one step) for the kernel's tile of
 # activations widened to int16 pairs: up to 64 pixels, and at most 6 KiB unless two pixels need
 # more. (On the stack it would have to fit the smallest Cortex-M4 stack, 8 KiB on nano33ble,
@@ -118,17 +119,18 @@ def _attach(g: ir.Graph, step: int, k: Kernel, packed: np.ndarray, scratch_words
     k.desc = f"[{desc}] {k.desc}"
 
 
-def _uses(k: Kernel, target, isa: str) -> bool:
-    return isa in target.isas and kreg.resolve(k.family, k.dtype, list(target.isas))[1] == isa
+def _uses(k: Kernel, target, isa: str | None) -> bool:
+    return isa is not None and kreg.resolve(k.family, k.dtype, list(target.isas))[1] == isa
 
 
 def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
     """Pack the weights of the 8-bit convolutions and fully connected layers the DSP kernels
     compute, most MACs per extra flash byte first, while the extra flash stays within
     EXTRA_FLASH_BYTES."""
+    isa = target.isa_with_role(DSP_ROLE)
     cands = []
     for step, k in enumerate(kernels):
-        if k is None or not _packable(k) or not _uses(k, target, ISA):
+        if k is None or not _packable(k) or not _uses(k, target, isa):
             continue
         rows = _conv_rows(g, k) if k.family == "qconv2d" else g.const(k.args[1]).astype(np.int32)
         packed = pack_pairs(rows)
@@ -143,17 +145,18 @@ def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
         if k.family == "qconv2d":
             pairs, flat = _pairs(k.params), _flat(k.params)
             tile = tile_pixels(k.params, pairs)
-            _attach(g, step, k, packed, tile * pairs, f"{ISA} weights packed in int16 pairs{' (flat)' if flat else ''}",
+            _attach(g, step, k, packed, tile * pairs, f"{isa} weights packed in int16 pairs{' (flat)' if flat else ''}",
                     FLAT=flat, KP=pairs, T_=tile)
         else:
             pairs = (k.params["K"] + 1) // 2
-            _attach(g, step, k, packed, 2 * pairs, f"{ISA} weights packed in int16 pairs", KP=pairs)
+            _attach(g, step, k, packed, 2 * pairs, f"{isa} weights packed in int16 pairs", KP=pairs)
 
 
 def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
     """fp32 convolutions with one group: weights in 4-channel blocks for the FPU GEMM kernel."""
+    isa = target.isa_with_role(FPU_ROLE)
     for step, k in enumerate(kernels):
-        if k is None or k.family != "conv2d" or k.dtype != "f32" or k.params["G"] != 1 or not _uses(k, target, FPU_ISA):
+        if k is None or k.family != "conv2d" or k.dtype != "f32" or k.params["G"] != 1 or not _uses(k, target, isa):
             continue
         p = k.params
         kdim = p["C"] * p["KH"] * p["KW"]
@@ -161,7 +164,7 @@ def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
             continue        # gathering the columns would cost more than it saves
         w = g.const(k.args[1]).astype(np.float32).reshape(p["M"], kdim)
         tile = tile_pixels(p, kdim)
-        _attach(g, step, k, blocks_of_4(w), tile * kdim, f"{FPU_ISA} GEMM, weights in 4-channel blocks", T_=tile)
+        _attach(g, step, k, blocks_of_4(w), tile * kdim, f"{isa} GEMM, weights in 4-channel blocks", T_=tile)
 
 
 def select_mcu(g: ir.Graph, kernels: list[Kernel | None], target) -> list[Kernel | None]:

@@ -333,20 +333,19 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
          resume: bool = True, seconds: float = 0.2, ssh: str | None = None, port: int | None = None,
          identity: str | None = None, log=flow.progress, max_weights_bytes=None) -> dict:
     """Tune every distinct fp32 conv/dense layer of `models` for a board; returns the database."""
-    from tinydeploy.targets import get_target
     board = boards.get_board(board_id)
-    if board["kind"] == "mcu":
+    if board.is_mcu:
         raise TinydeployError(f"{board_id} is a microcontroller: nothing to tune (each layer has one register-blocked "
                               "DSP or FPU kernel, chosen by tinydeploy/schedule/mcu.py, or the reference); compare "
                               "instruction counts with `tinydeploy bench --board mps2-an386`, or tune a Linux board")
     if os.environ.get("TINYDEPLOY_ALGO", "auto").strip() not in ("", "auto") or os.environ.get("TINYDEPLOY_TILE"):
         raise TinydeployError("TINYDEPLOY_ALGO / TINYDEPLOY_TILE force every layer's kernel; unset them to tune")
-    if board_id != "host" and not ssh:
+    if not board.runs_here and not ssh:
         raise TinydeployError(f"tuning {board_id} measures on the board: pass --ssh user@host (QEMU says nothing "
                               "about speed)")
     if seconds <= 0 or seconds > 60:
         raise TinydeployError("--seconds must be in (0, 60]")
-    target = get_target(board["target"])
+    target = board.make_target()
     isa = schedule._isa("conv2d_gemm", target)
     key = tuning.target_key(target, isa)
     path = Path(db_path) if db_path else tuning.DIR / f"{key}.json"

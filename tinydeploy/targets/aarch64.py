@@ -2,7 +2,7 @@
 binaries of the same portable harness as the host, run on the board or under qemu-aarch64."""
 from __future__ import annotations
 
-from tinydeploy.targets import WARNINGS, Target
+from tinydeploy.targets.base import WARNINGS, Target
 
 # Per core: gcc code-generation flags, and the kernel ISA variants to prefer (best first).
 # Carmel has no -mcpu in gcc 12: it is ARMv8.2-A with FP16 (its cpuinfo lists no asimddp).
@@ -16,4 +16,4 @@ CPUS = {
 def aarch64(cpu: str) -> Target:
     flags, isas = CPUS[cpu]
     return Target(f"aarch64-{cpu}", "aarch64-linux-gnu-gcc", WARNINGS + ["-O3", *flags, "-static"],
-                  isas=isas, alignment=16)
+                  isas=isas, alignment=16, machine="aarch64")

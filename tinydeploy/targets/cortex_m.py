@@ -1,8 +1,10 @@
-"""Cortex-M4F (Armv7E-M with the single-precision FPU), bare metal, built with arm-none-eabi-gcc.
+"""Cortex-M cores, bare metal, built with arm-none-eabi-gcc: one table of their compiler flags
+and kernel ISAs (the PlatformIO projects read their CPU, FPU and float ABI from the same flags).
 
 Kernel variants: `<family>_<dtype>_cortex-m4-dsp` (8-bit, DSP extension: SMLAD on int16 pairs) and
-`<family>_<dtype>_cortex-m4-fpu` (fp32, FPU registers); the kernel registry falls back to the
-portable reference kernels for the rest (tinydeploy/schedule/mcu.py re-lays their weights)."""
+`<family>_<dtype>_cortex-m4-fpu` (fp32, FPU registers), for every Armv7E-M core with a
+single-precision FPU (Cortex-M4F, Cortex-M7); the kernel registry falls back to the portable
+reference kernels for the rest (tinydeploy/schedule/mcu.py re-lays their weights)."""
 from __future__ import annotations
 
 import os
@@ -10,9 +12,17 @@ import shutil
 from dataclasses import dataclass
 
 from tinydeploy.errors import TinydeployError
-from tinydeploy.targets import WARNINGS, Target
+from tinydeploy.targets.base import WARNINGS, Target
 
-CPU_FLAGS = ["-mcpu=cortex-m4", "-mthumb", "-mfloat-abi=hard", "-mfpu=fpv4-sp-d16"]
+# core -> (gcc code-generation flags, kernel ISAs best first, data caches to block for).
+# The Cortex-M7 of the STM32F7 has a single-precision FPU (FPv5-SP): fpv5-sp-d16, not fpv5-d16.
+# Its 4 KB data cache is not worth GEMM cache blocking at microcontroller layer sizes.
+CPUS = {
+    "cortex-m4": (["-mcpu=cortex-m4", "-mthumb", "-mfloat-abi=hard", "-mfpu=fpv4-sp-d16"],
+                  ["cortex-m4-dsp", "cortex-m4-fpu"], False),
+    "cortex-m7": (["-mcpu=cortex-m7", "-mthumb", "-mfloat-abi=hard", "-mfpu=fpv5-sp-d16"],
+                  ["cortex-m4-dsp", "cortex-m4-fpu"], False),
+}
 DEBIAN_PACKAGES = "gcc-arm-none-eabi libnewlib-arm-none-eabi"
 
 
@@ -36,12 +46,20 @@ class CortexMTarget(Target):
         return path
 
 
-def cortex_m4() -> CortexMTarget:
+def cortex_m(cpu: str) -> CortexMTarget:
+    flags, isas, caches = CPUS[cpu]
     return CortexMTarget(
-        name="cortex-m4",
+        name=cpu,
         cc=os.environ.get("ARM_CC", "arm-none-eabi-gcc"),
-        cflags=WARNINGS + CPU_FLAGS + ["-O2", "-ffunction-sections", "-fdata-sections"],
+        cflags=WARNINGS + flags + ["-O2", "-ffunction-sections", "-fdata-sections"],
         ldlibs=["-lm"],
-        isas=["cortex-m4-dsp", "cortex-m4-fpu"],
+        isas=list(isas),
         alignment=8,
+        caches=caches,
+        os="none",
     )
+
+
+def cpu_option(target: Target, option: str) -> str | None:
+    """The value of a gcc option (-mcpu=, -mfpu=, -mfloat-abi=) in a target's flags, or None."""
+    return next((f.split("=", 1)[1] for f in target.cflags if f.startswith(option + "=")), None)

@@ -1,0 +1,110 @@
+"""The operator registry (its face is tinydeploy/ops/__init__.py): what each ONNX operator needs to be checked, counted and emitted.
+
+One module per operator family. Each registers an `OpDef` per ONNX op type it handles:
+  check(node, g)  -> None when supported, else the reason (listed to the user with the node name)
+  emit(node, g)   -> a `Kernel`: which kernel template family to instantiate, its compile-time
+                     parameters, and the tensors passed to it (inputs first, then outputs)
+  macs(node, g)   -> multiply-accumulates, for the summary
+  view            -> the output is the input's bytes under another shape (no code, no copy)
+  inplace         -> the output may share input 0's buffer (elementwise)
+
+Kernel templates live in firmware_templates/kernels/<family>_<dtype>_<isa>.c.j2; `ref` is the
+portable reference that every ISA variant falls back to (see codegen.kernels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from tinydeploy import ir
+
+
+@dataclass
+class Kernel:
+    family: str                     # template family, e.g. "conv2d"
+    dtype: str                      # "f32", "s8", "u8"
+    params: dict[str, Any]          # compile-time constants of this specialisation
+    args: list[str]                 # tensor names: inputs (constants allowed) then outputs
+    scratch_bytes: int = 0          # arena scratch the kernel needs while it runs
+    desc: str = ""                  # one-line human description for the comment
+
+
+@dataclass
+class OpDef:
+    op: str
+    emit: Callable[[ir.Node, ir.Graph], Kernel | None]
+    check: Callable[[ir.Node, ir.Graph], str | None] = lambda n, g: None
+    macs: Callable[[ir.Node, ir.Graph], int] = lambda n, g: 0
+    view: bool = False
+    inplace: bool = False
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: str, **kw):
+    def deco(fn):
+        REGISTRY[op] = OpDef(op, fn, **kw)
+        return fn
+    return deco
+
+
+def dtype_tag(dtype) -> str:
+    return {np.dtype(np.float32): "f32", np.dtype(np.int8): "s8", np.dtype(np.uint8): "u8",
+            np.dtype(np.int32): "s32"}.get(np.dtype(dtype), str(np.dtype(dtype)))
+
+
+def float_only(node: ir.Node, g: ir.Graph, which=None) -> str | None:
+    """The common check: the listed runtime tensors (default: all) must be float32."""
+    names = which if which is not None else [i for i in node.inputs if i] + node.outputs
+    for name in names:
+        t = g.tensors.get(name)
+        if t is not None and not t.is_const and t.dtype != np.float32:
+            return f"{np.dtype(t.dtype).name} tensors are not supported"
+    return None
+
+
+def window_2d(node: ir.Node, g: ir.Graph, kernel_shape: list[int]) -> dict:
+    """Sliding-window geometry of a Conv or pool as 2-D NCHW numbers (1-D windows get H = 1):
+    input/output shapes, kernel, strides, dilations and the four pads, auto_pad resolved."""
+    x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
+    rank = len(x.shape) - 2
+    a = node.attrs
+    k = list(kernel_shape)
+    s = list(a.get("strides", [1] * rank))
+    d = list(a.get("dilations", [1] * rank))
+    pads = list(a.get("pads", [0] * (2 * rank)))
+    xs, ys = list(x.shape), list(y.shape)
+    auto = a.get("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        for i in range(rank):
+            total = max(0, (ys[2 + i] - 1) * s[i] + (k[i] - 1) * d[i] + 1 - xs[2 + i])
+            small, big = total // 2, total - total // 2
+            pads[i], pads[i + rank] = (small, big) if auto == "SAME_UPPER" else (big, small)
+    elif auto == "VALID":
+        pads = [0] * (2 * rank)
+    if rank == 1:
+        xs.insert(2, 1), ys.insert(2, 1)
+        k, s, d, pads = [1] + k, [1] + s, [1] + d, [0, pads[0], 0, pads[1]]
+    return {"xs": xs, "ys": ys, "KH": k[0], "KW": k[1], "SH": s[0], "SW": s[1], "DH": d[0], "DW": d[1],
+            "PT": pads[0], "PL": pads[1], "PB": pads[2], "PR": pads[3]}
+
+
+def unsupported_nodes(g: ir.Graph) -> list[tuple[ir.Node, str]]:
+    from tinydeploy.quant import scheme_problem
+    out = []
+    for n in g.nodes:
+        why = scheme_problem(n, g)   # 4-bit, float8, 16-bit, blocked, run-time scales
+        if why:
+            out.append((n, why))
+            continue
+        d = REGISTRY.get(n.op)
+        if d is None:
+            out.append((n, "no kernel"))
+            continue
+        why = d.check(n, g)
+        if why:
+            out.append((n, why))
+    return out
