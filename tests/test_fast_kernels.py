@@ -22,16 +22,12 @@ from util import check_model, make_model, require, save
 RNG_SEED = 1234
 
 
-def _cpu_flags() -> set[str]:
-    return targets._cpu_flags()
-
-
 def host_isas() -> list[str]:
-    flags = _cpu_flags()
+    f = targets.cpu_features()
     out = ["ref"]
-    if {"avx2", "fma"} <= flags:
+    if f["avx2"] and f["fma"]:
         out.append("avx2")
-    if {"avx2", "fma", "avx512f"} <= flags:
+    if f["avx2"] and f["fma"] and f["avx512f"]:
         out.append("avx512")
     return out
 
@@ -269,9 +265,13 @@ def test_selection_is_explicit_and_printable():
     for isa in ISAS.values():
         for mr, nr, _ in isa.tiles:
             assert mr >= 1 and nr % lanes[isa.name] == 0
-    assert schedule.vector_act("(v > 0.0f ? v : 0.0f)") == [("relu", "")]
-    assert schedule.vector_act("((v < 0.0f ? 0.0f : v) > 6.0f ? 6.0f : (v < 0.0f ? 0.0f : v))") == [("lo", "0.0f"), ("hi", "6.0f")]
-    assert schedule.vector_act("(v >= 0.0f ? v : 0.01f * v)") is None      # scalar epilogue
+    from tinydeploy.ir.activation import Activation
+    assert Activation("relu").vector_steps() == [("relu", "")]
+    assert Activation("clip", 0.0, 6.0).vector_steps() == [("lo", "0.0f"), ("hi", "6.0f")]
+    assert Activation("clip", 0.0, 6.0).c_expr() == "((v < 0.0f ? 0.0f : v) > 6.0f ? 6.0f : (v < 0.0f ? 0.0f : v))"
+    assert Activation("leaky_relu", alpha=0.01).vector_steps() is None      # scalar epilogue
+    assert Activation("leaky_relu", alpha=0.01).c_expr() == "(v >= 0.0f ? v : 0.01f * v)"
+    assert Activation("clip", 0.0, 6.0).name == "clip lo 0.0f hi 6.0f" and Activation().name == "linear"
     kc, mc, nc = schedule.blocking(targets.Target("t", "cc", [], l1d_bytes=32768, l2_bytes=524288), 6, 16, 1000, 500, 3000)
     assert kc * 16 * 4 <= 16384 and mc % 6 == 0 and nc % 16 == 0 and mc * kc * 4 <= 262144
 

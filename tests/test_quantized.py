@@ -18,7 +18,8 @@ from onnx import TensorProto as TP, helper, numpy_helper
 from tinydeploy import flow, ir, reference
 from tinydeploy.frontend.importer import import_model
 from tinydeploy.quant.exact import requant_exact as requantize
-from tinydeploy.quant import quantize_multiplier, quantize_qdq
+from tinydeploy.quant.params import quantize_multiplier
+from tinydeploy.quant.qdq import quantize_qdq
 from util import check_8bit, check_model_lsb, make_model, mlperf_model, save
 
 ONNX_T = {np.dtype(np.int8): TP.INT8, np.dtype(np.uint8): TP.UINT8, np.dtype(np.int32): TP.INT32,

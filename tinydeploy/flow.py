@@ -162,7 +162,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
 def _dequantized_scale(g, name: str) -> float | None:
     """The scale of a float output made by a per-tensor DequantizeLinear of an 8-bit tensor (the
     float outputs of QDQ models), which `run` compares in LSBs; else None."""
-    from tinydeploy.quant import QTYPES, dq_info
+    from tinydeploy.quant.params import QTYPES, dq_info
     p = g.producer(name)
     if p is None or p.op != "DequantizeLinear":
         return None

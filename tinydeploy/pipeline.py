@@ -13,8 +13,7 @@ from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.frontend.importer import import_model, sha256_file
 from tinydeploy.ops import REGISTRY, Kernel, unsupported_nodes
-from tinydeploy.passes import run_passes
-from tinydeploy.quant import quantize_qdq
+from tinydeploy.passes import LOWER_8BIT, run_passes
 from tinydeploy.schedule import select_kernels
 from tinydeploy.planner import Plan, plan_memory
 from tinydeploy.targets import Target
@@ -56,18 +55,22 @@ def lower(g: ir.Graph) -> list[Kernel | None]:
     return [REGISTRY[n.op].emit(n, g) for n in g.nodes]
 
 
+def prepared_graph(path, input_shapes=None, max_weights_bytes: "int | limits.Budget | None" = None) -> ir.Graph:
+    """import -> 8-bit islands to integer operators -> support check (every unsupported operator
+    at once) -> the other passes: the graph kernel lowering starts from."""
+    g, _ = import_model(path, input_shapes, max_weights_bytes)
+    run_passes(g, [LOWER_8BIT], done=())
+    check_supported(g)
+    run_passes(g)
+    return g
+
+
 def compile_model(path, target: Target, input_shapes=None, command: str = "", board: str = "host",
                   threads: int = 1, max_weights_bytes: "int | limits.Budget | None" = None) -> Compiled:
     """`max_weights_bytes`: the weights budget (tinydeploy.limits; None: sized against this
     machine's memory). The import holds the model to it, and so does the C written here."""
     budget = limits.budget(max_weights_bytes)
-    g, _ = import_model(path, input_shapes, budget)
-    # QDQ models: weights are DequantizeLinear outputs until this pass (also first in PASSES,
-    # where it is then a no-op) turns them into integer operators or float constants.
-    quantize_qdq(g)
-    check_supported(g)
-    run_passes(g)
-    check_supported(g)
+    g = prepared_graph(path, input_shapes, budget)
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
     kernels = select_kernels(g, lower(g), target, threads)   # fast conv/dense algorithms per layer
     plan = plan_memory(g, kernels, target.alignment)

@@ -8,7 +8,7 @@ import numpy as np
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.frontend.importer import import_model
 from tinydeploy.ops import REGISTRY, unsupported_nodes
-from tinydeploy.quant import quantize_qdq
+from tinydeploy.quant.qdq import quantize_qdq
 
 
 def inspect_model(path, input_shapes=None, max_weights_bytes=None) -> str:

@@ -21,6 +21,7 @@ from onnx import numpy_helper, shape_inference, version_converter
 from tinydeploy import ir, limits
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.ops import REGISTRY
 
 MIN_OPSET = 13          # older models are converted up to this
 MAX_FILE_BYTES = 2 << 30  # protobuf's own limit
@@ -427,15 +428,10 @@ def _np_dtype(elem_type: int) -> np.dtype:
         raise TinydeployError(f"tensor element type {elem_type} is not supported") from None
 
 
-# Ops whose output is their input's elements under another shape: the counts must agree.
-SIZE_PRESERVING = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
-
-
 def _raise_if_unknown_ops(g: onnx.GraphProto, shapes: dict) -> None:
     """A tensor has no static shape. When an operator tinydeploy has no kernel for (custom domains,
     control flow, data-dependent outputs) left it so, report those operators, in the format of
     pipeline.check_supported, rather than the shape."""
-    from tinydeploy.ops import REGISTRY
     found: dict[str, list[str]] = {}
     culprit = False
     for k, n in enumerate(g.node):
@@ -482,7 +478,8 @@ def _to_ir(model: onnx.ModelProto, notes: list[str]) -> ir.Graph:
         op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}:{n.op_type}"
         nodes.append(ir.Node(op, n.name or f"{n.op_type}_{k}", list(n.input), list(n.output), attrs))
     for n in nodes:
-        if n.op in SIZE_PRESERVING and n.inputs and n.inputs[0] and n.outputs:
+        # views (the registry's view=True: Reshape, Flatten, ...) keep the element count
+        if n.op in REGISTRY and REGISTRY[n.op].view and n.inputs and n.inputs[0] and n.outputs:
             src, dst = tensors[n.inputs[0]], tensors[n.outputs[0]]
             if src.size != dst.size:
                 raise TinydeployError(

@@ -54,9 +54,15 @@ _UNARY = {"QLinearAveragePool": "AveragePool", "QLinearGlobalAveragePool": "Glob
           "QLinearSigmoid": "Sigmoid", "QLinearLeakyRelu": "LeakyRelu", "QLinearSoftmax": "Softmax"}
 _BINARY = {"QLinearAdd": "Add", "QLinearMul": "Mul"}
 REWRITTEN = set(_UNARY) | set(_BINARY) | {"QLinearConv", "QLinearMatMul", "QGemm", "QLinearConcat"}
-# Standard operators QOperator models apply to 8-bit tensors as they are (same scale and zero
-# point in and out). MaxPool has no 8-bit kernel of its own: it is wrapped in DQ / Q.
-PASS_THROUGH = {"Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Slice", "MaxPool"}
+
+
+def _passes_through(op: str) -> bool:
+    """Standard operators QOperator models apply to 8-bit tensors as they are (same scale and zero
+    point in and out): the registry's single-input data movement (ops: moves="first"), and
+    MaxPool, which has no 8-bit form of its own and is wrapped in DQ / Q."""
+    from tinydeploy.ops import REGISTRY
+    d = REGISTRY.get(op)
+    return op == "MaxPool" or (d is not None and d.moves == "first")
 
 
 def _is(node: onnx.NodeProto, op: str) -> bool:
@@ -296,7 +302,7 @@ def rewrite_qoperator(model: onnx.ModelProto) -> bool:
             if n.op_type == "QuantizeLinear" and n.output:
                 zp = n.input[2] if len(n.input) > 2 else ""
                 rw.dtypes[n.output[0]] = rw.dtypes.get(zp, TensorProto.UINT8) if zp else TensorProto.UINT8
-            elif n.op_type in PASS_THROUGH and n.input and n.output and n.domain in ("", "ai.onnx"):
+            elif n.domain in ("", "ai.onnx") and _passes_through(n.op_type) and n.input and n.output:
                 if n.input[0] in rw.dtypes:
                     rw.dtypes[n.output[0]] = rw.dtypes[n.input[0]]
                 if n.input[0] in rw.qparams:

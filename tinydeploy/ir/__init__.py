@@ -76,6 +76,18 @@ class Graph:
                 return n
         return None
 
+    def replace_uses(self, old: str, new: str) -> None:
+        """Every node that reads tensor `old` reads `new` instead."""
+        for n in self.nodes:
+            n.inputs = [new if i == old else i for i in n.inputs]
+
+    def single_consumer(self, name: str) -> Node | None:
+        """The only node that reads runtime tensor `name` (once; not a graph output), else None."""
+        if name in self.outputs:
+            return None
+        users = self.consumers(name)
+        return users[0] if len(users) == 1 and users[0].inputs.count(name) == 1 else None
+
     def const(self, name: str) -> np.ndarray | None:
         """The data of an optional constant input ("" or missing gives None)."""
         if not name:

@@ -4,7 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy import ir
+from tinydeploy.ops.elementwise import epilogue
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, window_2d
+from tinydeploy.quant.params import (QTYPES, QCtx, QInfo, add_const, add_multipliers, bias_acc, channel_params,
+                                     fit_int32, weights_minus_zp)
 
 
 def conv_geometry(node: ir.Node, g: ir.Graph) -> dict:
@@ -33,11 +36,54 @@ def conv_macs(node, g):
     return p["N"] * p["M"] * p["OH"] * p["OW"] * (p["C"] // p["G"]) * p["KH"] * p["KW"]
 
 
-@register("Conv", check=_check, macs=conv_macs)
+# ---- 8-bit: the QDQ match (quant/qdq.py runs it) ----------------------------------------------
+
+def qdq_conv(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | None:
+    """DQ(x) -> Conv(DQ(w), DQ(b)) [-> Relu/Clip] -> Q as a QConv: int32 accumulators on w - zw, the
+    bias in accumulator units (the input zero point folded in where no padding is read), per-channel
+    multipliers s_x s_w[c] / s_y (docs/quantization.md)."""
+    g = ctx.g
+    x = ctx.runtime(p.inputs[0])
+    w = ctx.const(p.inputs[1])
+    if x is None or w is None or w.dtype not in QTYPES or len(g.t(p.inputs[0]).shape) not in (3, 4):
+        return None
+    wdata = w.data
+    n_out = wdata.shape[0]
+    ch = channel_params(w, n_out, 0)
+    if ch is None:
+        return None
+    sw, zw = ch
+    acc_scale = (x.s * sw).astype(np.float32)                # float32, as onnxruntime computes it
+    r = (acc_scale / yq.s).astype(np.float32)
+    bias = bias_acc(g, ctx, p.inputs[2] if len(p.inputs) > 2 else "", n_out, acc_scale)
+    if bias is None:
+        return None
+    bshape = (-1,) + (1,) * (wdata.ndim - 1)
+    wq = weights_minus_zp(wdata, zw, bshape)
+    a = p.attrs
+    rank = len(g.t(p.inputs[0]).shape) - 2
+    pads = list(a.get("pads", [0] * (2 * rank)))
+    padded = any(pads) or a.get("auto_pad", "NOTSET") in ("SAME_UPPER", "SAME_LOWER")
+    zp_in_loop = bool(padded and x.z != 0)
+    if not zp_in_loop:
+        bias = bias - x.z * wq.reshape(n_out, -1).astype(np.int64).sum(axis=1)
+    b32 = fit_int32(bias, wq, x.dtype, x.z if zp_in_loop else 0)
+    if b32 is None:
+        return None
+    base = p.outputs[0]
+    wname = add_const(g, base + "_qweight", wq)
+    bname = add_const(g, base + "_qbias", b32)
+    mname, sname = add_multipliers(g, base, r)
+    attrs = {k: v for k, v in a.items() if not k.startswith("_")}
+    attrs["_q"] = {"zx": x.z, "zy": yq.z, "lo": lo, "hi": hi, "zp_in_loop": zp_in_loop}
+    return ir.Node("QConv", p.name, [x.src, wname, bname, mname, sname], [yq.src], attrs, onnx_op=p.onnx_op)
+
+
+@register("Conv", check=_check, macs=conv_macs, epilogue=True, qdq=qdq_conv)
 def emit_conv(node: ir.Node, g: ir.Graph) -> Kernel:
     p = conv_geometry(node, g)
     has_bias = len(node.inputs) > 2 and bool(node.inputs[2])
-    p.update(has_bias=has_bias, act=node.attrs.get("_act", "v"))
+    p.update(has_bias=has_bias, **epilogue(node))
     args = [node.inputs[0], node.inputs[1]] + ([node.inputs[2]] if has_bias else []) + [node.outputs[0]]
     kind = "depthwise " if p["G"] == p["C"] and p["G"] > 1 else ("grouped " if p["G"] > 1 else "")
     desc = (f"{kind}{p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']}: "

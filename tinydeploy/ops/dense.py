@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy import ir
-from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
-from tinydeploy.ops.elementwise import broadcast_loops
+from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, register_qdq
+from tinydeploy.quant.params import (QTYPES, QCtx, QInfo, add_const, add_multipliers, bias_acc, channel_params,
+                                     fit_int32, sole_use, weights_minus_zp)
+from tinydeploy.ops.elementwise import broadcast_loops, epilogue
 
 
 def _gemm_check(node, g):
@@ -46,10 +48,83 @@ def fc_kernel(node, g, x: str, w_kn: np.ndarray, bias: np.ndarray | None, y: str
     args.append(y)
     return Kernel("dense", dtype_tag(g.t(y).dtype),
                   {"M": m, "K": k, "N": n, "has_bias": bias is not None, "bias_2d": bias_2d,
-                   "act": node.attrs.get("_act", "v")}, args, desc=f"{m}x{k} . {k}x{n}")
+                   **epilogue(node)}, args, desc=f"{m}x{k} . {k}x{n}")
 
 
-@register("Gemm", check=_gemm_check, macs=_gemm_macs)
+# ---- 8-bit: the QDQ matches (quant/qdq.py runs them) -------------------------------------------
+
+def qdq_dense(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int, bias_name: str = "",
+                 extra: str = "") -> ir.Node | None:
+    """MatMul (2-D constant weights) or Gemm; `bias_name` is the other input of a following Add."""
+    g = ctx.g
+    x = ctx.runtime(p.inputs[0])
+    w = ctx.const(p.inputs[1])
+    if x is None or w is None or w.dtype not in QTYPES or w.data.ndim != 2:
+        return None
+    alpha, beta = 1.0, 1.0
+    wdata = w.data
+    out_axis = 1
+    if p.op == "Gemm":
+        if p.attrs.get("transA", 0):
+            return None
+        alpha, beta = float(p.attrs.get("alpha", 1.0)), float(p.attrs.get("beta", 1.0))
+        if p.attrs.get("transB", 0):
+            out_axis = 0
+        if len(p.inputs) > 2 and p.inputs[2]:
+            if bias_name:
+                return None
+            bias_name = p.inputs[2]
+    w_nk = wdata if out_axis == 0 else wdata.T
+    n_out, k = w_nk.shape
+    xs = g.t(p.inputs[0]).shape
+    if xs[-1] != k:
+        return None
+    ch = channel_params(w, n_out, out_axis)
+    if ch is None:
+        return None
+    sw, zw = ch
+    acc_scale = (x.s * sw).astype(np.float32)
+    r = (acc_scale / yq.s).astype(np.float32)
+    if alpha != 1.0:
+        r = (r * np.float32(alpha)).astype(np.float32)
+        acc_scale = (acc_scale * np.float32(alpha)).astype(np.float32)
+    if bias_name:
+        bt = g.t(bias_name)
+        if bt.size != n_out and bt.size != 1:
+            return None
+    bias = bias_acc(g, ctx, bias_name, n_out, acc_scale, beta)
+    if bias is None:
+        return None
+    wq = weights_minus_zp(np.ascontiguousarray(w_nk), zw, (-1, 1))
+    bias = bias - x.z * wq.astype(np.int64).sum(axis=1)
+    b32 = fit_int32(bias, wq, x.dtype)
+    if b32 is None:
+        return None
+    base = p.outputs[0]
+    wname = add_const(g, base + "_qweight_nk", wq)
+    bname = add_const(g, base + "_qbias", b32)
+    mname, sname = add_multipliers(g, base, r)
+    attrs = {"_q": {"zx": x.z, "zy": yq.z, "lo": lo, "hi": hi}}
+    return ir.Node("QDense", p.name, [x.src, wname, bname, mname, sname], [yq.src], attrs,
+                   onnx_op=p.onnx_op + extra)
+
+
+def qdq_matmul_add(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int):
+    """DQ(x) -> MatMul(DQ(w)) -> Add(bias) [-> Relu/Clip] -> Q (the Add's pattern, owned here):
+    one QDense; returns it with the two nodes it replaces."""
+    g = ctx.g
+    for k in (0, 1):
+        mm = g.producer(p.inputs[k])
+        other = p.inputs[1 - k]
+        if (mm is not None and mm.op == "MatMul" and sole_use(g, p.inputs[k], p)
+                and (ctx.const(other) is not None or g.const(other) is not None)):
+            new = qdq_dense(ctx, mm, yq, lo, hi, bias_name=other, extra="+Add")
+            if new is not None:
+                return new, [p, mm]
+    return None
+
+
+@register("Gemm", check=_gemm_check, macs=_gemm_macs, epilogue=True, qdq=qdq_dense)
 def emit_gemm(node: ir.Node, g: ir.Graph) -> Kernel:
     a = node.attrs
     alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
@@ -77,7 +152,7 @@ def _matmul_macs(node, g):
     return g.t(node.outputs[0]).size * a.shape[-1]
 
 
-@register("MatMul", check=_matmul_check, macs=_matmul_macs)
+@register("MatMul", check=_matmul_check, macs=_matmul_macs, epilogue=True, qdq=qdq_dense)
 def emit_matmul(node: ir.Node, g: ir.Graph) -> Kernel:
     a, b, y = node.inputs[0], node.inputs[1], node.outputs[0]
     bt = g.t(b)
@@ -93,5 +168,8 @@ def emit_matmul(node: ir.Node, g: ir.Graph) -> Kernel:
     dims, (sa, sb) = broadcast_loops(batch, [ash[:-2], bsh[:-2]]) if batch else ([1], [[0], [0]])
     return Kernel("matmul", dtype_tag(g.t(y).dtype),
                   {"M": m, "K": k, "N": n, "dims": dims, "sa": [s * m * k for s in sa],
-                   "sb": [s * k * n for s in sb], "act": node.attrs.get("_act", "v")},
+                   "sb": [s * k * n for s in sb], **epilogue(node)},
                   [a, b, y], desc=f"batch {batch} of {m}x{k} . {k}x{n}")
+
+
+register_qdq("Add", qdq_matmul_add)

@@ -6,38 +6,27 @@ import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float
+from tinydeploy.ir.activation import FUSABLE_ONNX, LINEAR, Activation
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
+from tinydeploy.quant.params import QCtx, QInfo, add_multiplier_pair
 
 
 def _f(x) -> str:
     return c_float(float(x))
 
 
-# C expressions over `v` (a float). Activations are the ones the fusion pass may fold into a
-# producing Conv/Gemm/MatMul/Add epilogue.
-def activation_expr(op: str, attrs: dict, g: ir.Graph | None = None, node: ir.Node | None = None) -> str:
-    if op == "Relu":
-        return "(v > 0.0f ? v : 0.0f)"
-    if op == "LeakyRelu":
-        return f"(v >= 0.0f ? v : {_f(attrs.get('alpha', 0.01))} * v)"
-    if op == "Clip":
-        lo, hi = clip_bounds(node, g) if node is not None else (attrs.get("min"), attrs.get("max"))
-        e = "v"
-        if lo is not None:
-            e = f"({e} < {_f(lo)} ? {_f(lo)} : {e})"
-        if hi is not None:
-            e = f"({e} > {_f(hi)} ? {_f(hi)} : {e})"
-        return e
-    raise KeyError(op)
+def activation_of(node: ir.Node, g: ir.Graph) -> Activation:
+    """The Activation a Relu, LeakyRelu or Clip node computes (Clip's bounds: constant inputs)."""
+    lo = g.const(node.inputs[1]) if node.op == "Clip" and len(node.inputs) > 1 else None
+    hi = g.const(node.inputs[2]) if node.op == "Clip" and len(node.inputs) > 2 else None
+    return Activation.of(node.op, node.attrs, None if lo is None else float(lo), None if hi is None else float(hi))
 
 
-ACTIVATIONS = ("Relu", "LeakyRelu", "Clip")
-
-
-def clip_bounds(node: ir.Node, g: ir.Graph):
-    lo = g.const(node.inputs[1]) if len(node.inputs) > 1 else None
-    hi = g.const(node.inputs[2]) if len(node.inputs) > 2 else None
-    return (None if lo is None else float(lo)), (None if hi is None else float(hi))
+def epilogue(node: ir.Node) -> dict:
+    """Kernel parameters of a node's fused activation (passes/fuse_activations.py): `activation`
+    (the Activation) and `act` (its C expression over v, for the templates)."""
+    a = node.attrs.get("_act", LINEAR)
+    return {"activation": a, "act": a.c_expr()}
 
 
 def _clip_check(node, g):
@@ -77,9 +66,9 @@ def _unary_kernel(node: ir.Node, g: ir.Graph, expr: str) -> Kernel:
     return Kernel("unary", dtype_tag(g.t(y).dtype), {"n": n, "expr": expr}, [x, y], desc=f"{n} elements")
 
 
-for _op in ACTIVATIONS:
+for _op in FUSABLE_ONNX:
     register(_op, inplace=True, check=_clip_check if _op == "Clip" else float_only)(
-        lambda node, g: _unary_kernel(node, g, activation_expr(node.op, node.attrs, g, node)))
+        lambda node, g: _unary_kernel(node, g, activation_of(node, g).c_expr()))
 for _op in UNARY:
     register(_op, inplace=True, check=float_only)(
         lambda node, g: _unary_kernel(node, g, UNARY[node.op](node.attrs)))
@@ -121,16 +110,16 @@ def broadcast_loops(out_shape, in_shapes) -> tuple[list[int], list[list[int]]]:
     return dims, outs
 
 
-def binary_kernel(node: ir.Node, g: ir.Graph, op: str, act: str | None = None) -> Kernel:
+def binary_kernel(node: ir.Node, g: ir.Graph, op: str) -> Kernel:
     a, b, y = node.inputs[0], node.inputs[1], node.outputs[0]
     dims, (sa, sb) = broadcast_loops(g.t(y).shape, [g.t(a).shape, g.t(b).shape])
     return Kernel("binary", dtype_tag(g.t(y).dtype),
-                  {"dims": dims, "sa": sa, "sb": sb, "expr": BINARY[op], "act": act or "v"},
+                  {"dims": dims, "sa": sa, "sb": sb, "expr": BINARY[op], **epilogue(node)},
                   [a, b, y], desc=f"{op} {list(g.t(a).shape)} , {list(g.t(b).shape)} -> {list(g.t(y).shape)}")
 
 
 def _binary_emit(node, g):
-    return binary_kernel(node, g, node.op, node.attrs.get("_act"))
+    return binary_kernel(node, g, node.op)
 
 
 # Variadic ops: passes.expand_variadic turns them into chains of two-input nodes before lowering.
@@ -144,7 +133,23 @@ def _binary_check(node, g):
     return float_only(node, g)
 
 
+# ---- 8-bit: the QDQ match of Add (quant/qdq.py runs it) ----------------------------------------
+
+def qdq_add(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | None:
+    if len(p.inputs) != 2:
+        return None
+    a, b = ctx.runtime(p.inputs[0]), ctx.runtime(p.inputs[1])
+    if a is None or b is None:
+        return None
+    ra = float(np.float32(a.s) / np.float32(yq.s))
+    rb = float(np.float32(b.s) / np.float32(yq.s))
+    ma, mb, s = add_multiplier_pair(ra, rb)
+    attrs = {"_q": {"za": a.z, "zb": b.z, "zy": yq.z, "ma": ma, "mb": mb, "s": s, "lo": lo, "hi": hi}}
+    return ir.Node("QAdd", p.name, [a.src, b.src], [yq.src], attrs, onnx_op=p.onnx_op)
+
+
 for _op in BINARY:
-    register(_op, check=_binary_check, inplace=True)(_binary_emit)
+    register(_op, check=_binary_check, inplace=True, epilogue=_op in ("Add", "Sub", "Mul"),
+             qdq=qdq_add if _op == "Add" else None)(_binary_emit)
 register("Sum", check=_binary_check, inplace=True)(
-    lambda node, g: binary_kernel(node, g, "Add", node.attrs.get("_act")))
+    lambda node, g: binary_kernel(node, g, "Add"))

@@ -1,8 +1,11 @@
 """MaxPool, AveragePool (pads, ceil_mode, count_include_pad, dilations), global pools."""
 from __future__ import annotations
 
+import numpy as np
+
 from tinydeploy import ir
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, window_2d
+from tinydeploy.quant.params import QCtx, QInfo, quantize_multiplier
 
 
 def _geometry(node: ir.Node, g: ir.Graph) -> dict:
@@ -66,8 +69,33 @@ def pool_macs(node, g):
     return g.t(node.outputs[0]).size * n
 
 
-register("MaxPool", check=_check, macs=pool_macs)(_emit)
-register("AveragePool", check=_check, macs=pool_macs)(_emit)
+# ---- 8-bit: the QDQ match (quant/qdq.py runs it) ----------------------------------------------
+
+def qdq_pool(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | None:
+    g = ctx.g
+    x = ctx.runtime(p.inputs[0])
+    if x is None or len(g.t(p.inputs[0]).shape) not in (3, 4) or (len(p.outputs) > 1 and p.outputs[1]):
+        return None
+    if p.op in ("MaxPool", "AveragePool") and p.attrs.get("storage_order", 0):
+        return None
+    r = float(np.float32(x.s) / np.float32(yq.s))
+    q = {"zx": x.z, "zy": yq.z, "lo": lo, "hi": hi, "r": r, "xs": float(x.s), "ys": float(yq.s)}
+    if p.op in ("AveragePool", "GlobalAveragePool"):
+        xs = g.t(p.inputs[0]).shape
+        window = int(np.prod(p.attrs["kernel_shape"])) if p.op == "AveragePool" else int(np.prod(xs[2:]))
+        # One multiplier per possible divisor (window clipped by the borders), r / count.
+        q["table"] = [quantize_multiplier(float(np.float64(x.s) / np.float64(yq.s) / c)) if c else (0, 1)
+                      for c in range(window + 1)]
+    else:
+        q["m"], q["s"] = quantize_multiplier(r)
+        q["identity"] = bool(x.s == yq.s and x.z == yq.z)
+    attrs = {k: v for k, v in p.attrs.items() if not k.startswith("_")}
+    attrs["_q"] = q
+    return ir.Node("Q" + p.op, p.name, [x.src], [yq.src], attrs, onnx_op=p.onnx_op)
+
+
+register("MaxPool", check=_check, macs=pool_macs, qdq=qdq_pool)(_emit)
+register("AveragePool", check=_check, macs=pool_macs, qdq=qdq_pool)(_emit)
 
 
 def _global(node: ir.Node, g: ir.Graph) -> Kernel:
@@ -84,5 +112,5 @@ def _gcheck(node, g):
     return float_only(node, g)
 
 
-register("GlobalAveragePool", check=_gcheck, macs=lambda n, g: g.t(n.inputs[0]).size)(_global)
-register("GlobalMaxPool", check=_gcheck)(_global)
+register("GlobalAveragePool", check=_gcheck, macs=lambda n, g: g.t(n.inputs[0]).size, qdq=qdq_pool)(_global)
+register("GlobalMaxPool", check=_gcheck, qdq=qdq_pool)(_global)

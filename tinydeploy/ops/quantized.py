@@ -12,7 +12,7 @@ from tinydeploy.ops.registry import Kernel, dtype_tag, register
 from tinydeploy.ops.conv import conv_geometry, conv_macs
 from tinydeploy.ops.elementwise import broadcast_loops
 from tinydeploy.ops.pool import _geometry as pool_geometry, pool_macs
-from tinydeploy.quant import ties_possible
+from tinydeploy.quant.params import ties_possible
 
 QTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 
@@ -206,7 +206,7 @@ def emit_qrequantize(node: ir.Node, g: ir.Graph) -> Kernel:
 # ---- QuantizeLinear / DequantizeLinear kernels (graph edges and float islands) -------------
 
 def _qdq_params(node: ir.Node, g: ir.Graph):
-    from tinydeploy.quant import dq_info, q_info
+    from tinydeploy.quant.params import dq_info, q_info
     return dq_info(g, node) if node.op == "DequantizeLinear" else q_info(g, node)
 
 

@@ -1,12 +1,15 @@
 """Operators that reduce or normalise along axes: Softmax, Reduce*, LRN, standalone BatchNorm."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
-from tinydeploy.ops.elementwise import broadcast_loops
+from tinydeploy.quant.params import QCtx, QInfo, softmax_table
+from tinydeploy.ops.elementwise import broadcast_loops, epilogue
 
 
 def _axis(node, g, default):
@@ -15,7 +18,31 @@ def _axis(node, g, default):
     return a + r if a < 0 else a
 
 
-@register("Softmax", check=float_only, inplace=False)
+# ---- 8-bit: the QDQ match of Softmax (quant/qdq.py runs it) ------------------------------------
+
+def qdq_softmax(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | None:
+    """DQ -> Softmax -> Q on the integers: e_k from a float32 table of exponentials
+    (softmax_table), p_k = e_k / sum in float32, y_k = QuantizeLinear(p_k) = rint(p_k / s_y) + zy
+    (docs/quantization.md)."""
+    g = ctx.g
+    x = ctx.runtime(p.inputs[0])
+    if x is None or x.dtype != yq.dtype or not math.isfinite(float(x.s)) or not (float(x.s) > 0):
+        return None
+    shape = g.t(p.inputs[0]).shape
+    if not shape:
+        return None
+    ax = int(p.attrs.get("axis", -1))
+    ax = ax + len(shape) if ax < 0 else ax
+    if not 0 <= ax < len(shape) or shape[ax] < 1:
+        return None
+    if not math.isfinite(float(yq.s)) or not (float(yq.s) > 0):
+        return None
+    table = softmax_table(float(x.s), int(shape[ax]))
+    attrs = {"axis": ax, "_q": {"table": table, "xs": float(x.s), "ys": float(yq.s), "zy": yq.z, "lo": lo, "hi": hi}}
+    return ir.Node("QSoftmax", p.name, [x.src], [yq.src], attrs, onnx_op=p.onnx_op)
+
+
+@register("Softmax", check=float_only, inplace=False, qdq=qdq_softmax)
 def emit_softmax(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     ax = _axis(node, g, -1)
@@ -97,10 +124,10 @@ def channel_affine(node: ir.Node, g: ir.Graph, x: str, scale: np.ndarray, shift:
     c = xt.shape[1] if len(xt.shape) > 1 else 1
     inner = xt.size // (xt.shape[0] * c)
     return Kernel("channel_affine", dtype_tag(xt.dtype), {"N": xt.shape[0], "C": c, "inner": inner,
-                  "act": node.attrs.get("_act", "v")}, [x, *names, y], desc=f"per-channel scale+shift of {list(xt.shape)}")
+                  **epilogue(node)}, [x, *names, y], desc=f"per-channel scale+shift of {list(xt.shape)}")
 
 
-@register("BatchNormalization", check=_bn_check, inplace=True)
+@register("BatchNormalization", check=_bn_check, inplace=True, epilogue=True)
 def emit_bn(node: ir.Node, g: ir.Graph) -> Kernel:
     scale, bias, mean, var = (g.const(i).astype(np.float64) for i in node.inputs[1:5])
     s = scale / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))

@@ -7,13 +7,16 @@ One module per operator family. Each registers an `OpDef` per ONNX op type it ha
   macs(node, g)   -> multiply-accumulates, for the summary
   view            -> the output is the input's bytes under another shape (no code, no copy)
   inplace         -> the output may share input 0's buffer (elementwise)
+  epilogue        -> it can apply a following activation itself (passes: fuse_activations)
+  moves           -> data movement that runs on 8-bit integers unchanged (the QDQ pass)
+  qdq             -> its 8-bit form: turns DQ -> op [-> Relu/Clip] -> Q into an integer operator
 
 Kernel templates live in firmware_templates/kernels/<family>_<dtype>_<isa>.c.j2; `ref` is the
 portable reference that every ISA variant falls back to (see codegen.kernels).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -39,16 +42,34 @@ class OpDef:
     macs: Callable[[ir.Node, ir.Graph], int] = lambda n, g: 0
     view: bool = False
     inplace: bool = False
+    epilogue: bool = False    # can take a following Relu/Clip/LeakyRelu as its epilogue (node.attrs["_act"])
+    moves: str = ""           # data movement that runs on 8-bit integers as they are, between a DQ and a Q
+                              # of equal parameters: "first" (input 0 is the data) or "all" (every input)
 
 
 REGISTRY: dict[str, OpDef] = {}
+# op -> QDQ matches, tried in order by the QDQ pass (quant/qdq.py): fn(ctx, node, yq, lo, hi) turns
+# the island DQ -> node [-> Relu/Clip] -> Q into one integer node (or (node, nodes it replaces)),
+# or returns None. An operator registers its own with register(..., qdq=fn); a pattern that
+# starts at another operator's node (MatMul -> Add(bias) -> Q) with register_qdq.
+QDQ_MATCHERS: dict[str, list[Callable]] = {}
 
 
-def register(op: str, **kw):
+def register(op: str, qdq: Callable | None = None, **kw):
     def deco(fn):
         REGISTRY[op] = OpDef(op, fn, **kw)
+        if qdq is not None:
+            register_qdq(op, qdq)
         return fn
     return deco
+
+
+def register_qdq(op: str, match: Callable) -> None:
+    QDQ_MATCHERS.setdefault(op, []).append(match)
+
+
+def qdq_matchers(op: str) -> list[Callable]:
+    return QDQ_MATCHERS.get(op, [])
 
 
 def dtype_tag(dtype) -> str:
@@ -93,7 +114,7 @@ def window_2d(node: ir.Node, g: ir.Graph, kernel_shape: list[int]) -> dict:
 
 
 def unsupported_nodes(g: ir.Graph) -> list[tuple[ir.Node, str]]:
-    from tinydeploy.quant import scheme_problem
+    from tinydeploy.quant.params import scheme_problem
     out = []
     for n in g.nodes:
         why = scheme_problem(n, g)   # 4-bit, float8, 16-bit, blocked, run-time scales

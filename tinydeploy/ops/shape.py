@@ -15,7 +15,7 @@ def _any_dtype(node, g):
 
 
 for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
-    register(_op, view=True, check=_any_dtype)(lambda node, g: None)
+    register(_op, view=True, check=_any_dtype, moves="first")(lambda node, g: None)
 
 
 def _dropout_check(node, g):
@@ -32,7 +32,7 @@ def _dropout_check(node, g):
 
 # Identity and inference-mode Dropout are removed by passes.remove_identities; registering them
 # as views lets the support check (which runs before the passes) accept them.
-register("Identity", view=True, check=_any_dtype)(lambda node, g: None)
+register("Identity", view=True, check=_any_dtype, moves="first")(lambda node, g: None)
 register("Dropout", view=True, check=_dropout_check)(lambda node, g: None)
 
 
@@ -65,7 +65,7 @@ def _contig_strides(shape) -> list[int]:
     return st[::-1]
 
 
-@register("Transpose", check=_any_dtype)
+@register("Transpose", check=_any_dtype, moves="first")
 def emit_transpose(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     perm = list(node.attrs.get("perm", range(len(x.shape) - 1, -1, -1)))
@@ -74,7 +74,7 @@ def emit_transpose(node: ir.Node, g: ir.Graph) -> Kernel:
                         [st[p] for p in perm], 0, f"perm {perm} of {list(x.shape)}")
 
 
-@register("Expand", check=_any_dtype)
+@register("Expand", check=_any_dtype, moves="first")
 def emit_expand(node: ir.Node, g: ir.Graph) -> Kernel:
     y = g.t(node.outputs[0])
     dims, (sx,) = broadcast_loops(y.shape, [g.t(node.inputs[0]).shape])
@@ -100,7 +100,7 @@ def _slice_check(node, g):
     return None
 
 
-@register("Slice", check=_slice_check)
+@register("Slice", check=_slice_check, moves="first")
 def emit_slice(node: ir.Node, g: ir.Graph) -> Kernel:
     x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
     first, step = _slice_params(node, g)
@@ -110,7 +110,7 @@ def emit_slice(node: ir.Node, g: ir.Graph) -> Kernel:
                         [s * k for s, k in zip(st, step)], base, f"{list(x.shape)} -> {list(y.shape)}")
 
 
-@register("Concat", check=_any_dtype)
+@register("Concat", check=_any_dtype, moves="all")
 def emit_concat(node: ir.Node, g: ir.Graph) -> Kernel:
     y = g.t(node.outputs[0])
     r = len(y.shape)
@@ -190,7 +190,7 @@ def _gather_check(node, g):
     return None
 
 
-@register("Gather", check=_gather_check)
+@register("Gather", check=_gather_check, moves="first")
 def emit_gather(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     r = len(x.shape)

@@ -309,7 +309,7 @@ def qsoftmax(node: ir.Node, g: ir.Graph, x: np.ndarray) -> Exact:
 
 def quantize_linear(node: ir.Node, g: ir.Graph, x: np.ndarray) -> Exact:
     """saturate(rint(x / scale) + zp) in float32; NaN gives the zero point."""
-    from tinydeploy.quant import q_info
+    from tinydeploy.quant.params import q_info
     info = q_info(g, node)
     lo, hi = (int(v) for v in (np.iinfo(info.dtype).min, np.iinfo(info.dtype).max))
     v = (np.rint((x.astype(np.float32) / info.s).astype(np.float32)) + np.float32(info.z)).astype(np.float32)
@@ -320,7 +320,7 @@ def quantize_linear(node: ir.Node, g: ir.Graph, x: np.ndarray) -> Exact:
 
 def dequantize_linear(node: ir.Node, g: ir.Graph, x: np.ndarray) -> Exact:
     """float32(x - zp) * scale, per tensor or per channel of an axis."""
-    from tinydeploy.quant import dq_info
+    from tinydeploy.quant.params import dq_info
     info = dq_info(g, node)
     xi = x.astype(np.int64)
     if info.axis is None:
@@ -393,7 +393,7 @@ def evaluate(g: ir.Graph, feeds: dict[str, np.ndarray], keep: bool = False,
 def lowered_graph(path, input_shapes=None) -> ir.Graph:
     """The model as tinydeploy's integer operators see it: imported, then the QDQ pass."""
     from tinydeploy.frontend.importer import import_model
-    from tinydeploy.quant import quantize_qdq
+    from tinydeploy.quant.qdq import quantize_qdq
     g, _ = import_model(Path(path), input_shapes)
     quantize_qdq(g)
     return g

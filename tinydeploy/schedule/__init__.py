@@ -229,34 +229,9 @@ def conv_choice(p: dict, isa: str, force: str, l1: int = 32768, l2: int = 524288
     return min(costs, key=costs.get)
 
 
-_CLIP_LO = re.compile(r"^\(v < (?P<k>[-+0-9.eE]+f) \? (?P=k) : v\)$")
-_CLIP_HI = re.compile(r"^\((?P<e>.+) > (?P<k>[-+0-9.eE]+f) \? (?P=k) : (?P=e)\)$")
-
-
-def vector_act(act: str) -> list[tuple[str, str]] | None:
-    """The fused activation (a C expression over v, see ops.elementwise.activation_expr) as
-    vector steps the micro-kernels apply in registers, or None when it has no exact vector form
-    (then the drivers' scalar epilogue applies it)."""
-    if act == "v":
-        return []
-    if act == "(v > 0.0f ? v : 0.0f)":
-        return [("relu", "")]
-    steps = []
-    m = _CLIP_HI.match(act)
-    if m:
-        steps.append(("hi", m.group("k")))
-        act = m.group("e")
-    if act == "v":
-        return steps
-    m = _CLIP_LO.match(act)
-    if m:
-        return [("lo", m.group("k"))] + steps
-    return None
-
-
 def _epilogue(g: ir.Graph, kern: Kernel, p: dict, mr: int, args: list[str]) -> dict:
     """Fused-epilogue parameters; with a bias, args[2] becomes the bias padded to MR rows per group."""
-    vact = vector_act(p["act"])
+    vact = p["activation"].vector_steps()
     if vact is None:
         return {"on": False, "bias": False, "act": p["act"], "vact": []}
     if p["has_bias"]:

@@ -58,14 +58,8 @@ MAX_RUNS = 1000
 
 def layer_kernels(model: Path, input_shapes=None, max_weights_bytes=None) -> list:
     """The generic kernels of a model's fp32 conv/dense layers (before selection)."""
-    from tinydeploy.frontend.importer import import_model
-    from tinydeploy.passes import run_passes
-    from tinydeploy.pipeline import check_supported, lower
-    from tinydeploy.quant import quantize_qdq
-    g, _ = import_model(model, input_shapes, max_weights_bytes)
-    quantize_qdq(g)
-    check_supported(g)
-    run_passes(g)
+    from tinydeploy.pipeline import lower, prepared_graph
+    g = prepared_graph(model, input_shapes, max_weights_bytes)
     return [k for k in lower(g) if k is not None and k.dtype == "f32" and k.family in ("conv2d", "dense")]
 
 

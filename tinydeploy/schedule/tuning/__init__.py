@@ -46,18 +46,6 @@ def db_path(key: str) -> Path | None:
     return Path(env) if env else DIR / f"{key}.json"
 
 
-def _act_name(act: str) -> str:
-    from tinydeploy.schedule import vector_act
-    steps = vector_act(act)
-    if steps == []:
-        return "linear"
-    if steps == [("relu", "")]:
-        return "relu"
-    if steps is not None:
-        return "clip" + "".join(f" {kind} {val}" for kind, val in steps)
-    return "act " + hashlib.sha256(act.encode()).hexdigest()[:10]
-
-
 def layer_signature(kern) -> str | None:
     """'conv f32 n1 c64 h56 w56 m64 k3x3 s1x1 p1x1 d1x1 g1 o56x56 relu' or
     'dense f32 m1 k256 n10 linear'; None for other kernels."""
@@ -65,9 +53,9 @@ def layer_signature(kern) -> str | None:
     if kern.family == "conv2d":
         return (f"conv {kern.dtype} n{p['N']} c{p['C']} h{p['H']} w{p['W']} m{p['M']} k{p['KH']}x{p['KW']} "
                 f"s{p['SH']}x{p['SW']} p{p['PT']}x{p['PL']} d{p['DH']}x{p['DW']} g{p['G']} "
-                f"o{p['OH']}x{p['OW']} {_act_name(p['act'])}")
+                f"o{p['OH']}x{p['OW']} {p['activation'].name}")
     if kern.family == "dense":
-        return f"dense {kern.dtype} m{p['M']} k{p['K']} n{p['N']} {_act_name(p['act'])}"
+        return f"dense {kern.dtype} m{p['M']} k{p['K']} n{p['N']} {p['activation'].name}"
     return None
 
 
