@@ -398,7 +398,7 @@ class AppCache:
         outdir = self.root / entry.id / path.stem
         emulate = entry.emulated and not board.is_qemu_machine
         with file_lock(self.root / f".{entry.id}-{path.stem}.lock"):
-            fw = firmware.build_firmware(c.files, board, outdir, emulate=emulate, force=True)
+            fw = firmware.build_firmware(c, board, outdir, emulate=emulate, force=True)
         g = c.graph
         ins = [(n, tuple(g.t(n).shape), np.dtype(g.t(n).dtype)) for n in g.inputs]
         outs = [(tuple(g.t(n).shape), np.dtype(g.t(n).dtype)) for n in g.outputs]
@@ -418,7 +418,7 @@ def models_that_fit(entry: BoardEntry, names: list[str], models_dir: Path) -> tu
                            f"{DEFAULT_MODELS_DIR}, beside the checkout)")
         c = compile_model(path, board.make_target(), board=entry.manifest)
         try:
-            firmware.check_fits(c.files, board)
+            firmware.check_fits(c, board)
         except TinydeployError as e:
             skipped[path.stem] = str(e)
             continue

@@ -104,7 +104,7 @@ def test_model_ids_for_the_energyrunner():
 def test_project_builds_with_make_alone_for_both_boards(kws, tmp_path):
     c = kws[0]
     for board in ("mps2-an386", "nano33ble"):
-        out = firmware.write_project(tmp_path / board, c.files, board)
+        out = firmware.write_project(tmp_path / board, c, board)
         for name in ("Makefile", "README.md", "link.ld", "src/harness.c", "src/port.h", "src/model.c",
                      "src/startup_cortex_m.c", "src/harness_config.h"):
             assert (out / name).is_file(), name
@@ -116,7 +116,7 @@ def test_project_builds_with_make_alone_for_both_boards(kws, tmp_path):
         elf = out / "build" / "firmware.elf"
         assert (out / "build" / "firmware.bin").is_file() and (out / "build" / "firmware.hex").is_file()
         entry = next(s for s in firmware.sections(elf, boards.get_board(board)) if s["name"] == ".isr_vector")
-        assert entry["vma"] == boards.get_board(board)["flash_origin"]
+        assert entry["vma"] == boards.get_board(board).flash_origin
         syms = subprocess.run(["arm-none-eabi-nm", str(elf)], capture_output=True, text=True).stdout
         assert not re.search(r"\b(malloc|_malloc_r|_sbrk)\b", syms), "the firmware must not use the heap"
     nano = tmp_path / "nano33ble"
@@ -144,7 +144,7 @@ def test_arduino_port_compiles_against_the_arduino_api(tmp_path):
 def test_refuses_to_overwrite_a_folder_it_did_not_make(kws, tmp_path):
     (tmp_path / "mine.txt").write_text("keep me")
     with pytest.raises(TinydeployError, match="not empty"):
-        firmware.write_project(tmp_path, kws[0].files, "mps2-an386")
+        firmware.write_project(tmp_path, kws[0], "mps2-an386")
     assert (tmp_path / "mine.txt").read_text() == "keep me"
 
 
@@ -156,13 +156,13 @@ def test_ad_autoencoder_fp32_is_refused_for_nano33ble_with_the_numbers(toolchain
     assert c.weights_bytes > 983_040
     for emulate in (False, True):
         with pytest.raises(TinydeployError) as e:
-            firmware.build_firmware(c.files, "nano33ble", tmp_path / f"fw{emulate}", emulate=emulate)
+            firmware.build_firmware(c, "nano33ble", tmp_path / f"fw{emulate}", emulate=emulate)
         msg = str(e.value)
         assert "does not fit nano33ble" in msg and "flash" in msg
         assert f"{c.weights_bytes:,} B" in msg and "983,040 B" in msg
         assert "quantise" in msg
     with pytest.raises(TinydeployError, match="does not fit nano33ble"):
-        firmware.run_on_emulator(c.files, "nano33ble", [np.zeros((1, 640), np.float32)], [((1, 640), np.float32)])
+        firmware.run_on_emulator(c, "nano33ble", [np.zeros((1, 640), np.float32)], [((1, 640), np.float32)])
 
 
 def test_link_overflow_is_reported_with_the_numbers(kws, tmp_path, monkeypatch):
@@ -172,7 +172,7 @@ def test_link_overflow_is_reported_with_the_numbers(kws, tmp_path, monkeypatch):
     board = dataclasses.replace(boards.get_board("nano33ble"), flash_bytes=95_000)
     monkeypatch.setattr(firmware, "mcu_board", lambda board_id: board)
     with pytest.raises(TinydeployError) as e:
-        firmware.build_firmware(c.files, "nano33ble", tmp_path / "fw")
+        firmware.build_firmware(c, "nano33ble", tmp_path / "fw")
     msg = str(e.value)
     assert "does not fit nano33ble" in msg and "FLASH needs" in msg and "95,000 B" in msg
 
@@ -181,7 +181,7 @@ def test_link_overflow_is_reported_with_the_numbers(kws, tmp_path, monkeypatch):
 
 def test_kws_fp32_on_mps2_an386_matches_onnxruntime_with_repeatable_instruction_counts(kws):
     c, inputs, out_specs, want = kws
-    outs, instructions, mem = firmware.run_on_emulator(c.files, "mps2-an386", inputs, out_specs)
+    outs, instructions, mem = firmware.run_on_emulator(c, "mps2-an386", inputs, out_specs)
     res = reference.compare(outs, want, FP32_RTOL)
     assert res["outputs_match"], res
     # the reference fp32 kernels: about 2.66 M MACs, a little over 8 instructions per MAC
@@ -190,7 +190,7 @@ def test_kws_fp32_on_mps2_an386_matches_onnxruntime_with_repeatable_instruction_
     assert mem["flash_used_bytes"] >= c.weights_bytes and mem["ram_used_bytes"] >= c.plan.arena_bytes
     assert 0 < mem["stack_used_bytes"] < mem["stack_reserved_bytes"]
     # a second QEMU run, from a fresh build, counts exactly the same instructions
-    outs2, instructions2, _ = firmware.run_on_emulator(c.files, "mps2-an386", inputs, out_specs)
+    outs2, instructions2, _ = firmware.run_on_emulator(c, "mps2-an386", inputs, out_specs)
     assert instructions2 == instructions
     assert all(np.array_equal(a, b) for a, b in zip(outs, outs2))
     print(f"KWS fp32 on mps2-an386: {instructions:,} instructions per inference, flash "
@@ -199,7 +199,7 @@ def test_kws_fp32_on_mps2_an386_matches_onnxruntime_with_repeatable_instruction_
 
 def test_nano33ble_emulated_keeps_its_own_limits(kws):
     c, inputs, out_specs, want = kws
-    outs, instructions, mem = firmware.run_on_emulator(c.files, "nano33ble", inputs, out_specs, runs=3, warmup=1)
+    outs, instructions, mem = firmware.run_on_emulator(c, "nano33ble", inputs, out_specs, runs=3, warmup=1)
     assert reference.compare(outs, want, FP32_RTOL)["outputs_match"]
     assert mem["board"] == "nano33ble" and mem["built_for"] == "mps2-an386"
     assert mem["flash_bytes"] == 983_040 and mem["ram_bytes"] == 262_144
@@ -207,7 +207,7 @@ def test_nano33ble_emulated_keeps_its_own_limits(kws):
 
 
 def test_emulator_is_stopped_on_keyboard_interrupt(kws, tmp_path):
-    fw = firmware.build_firmware(kws[0].files, "mps2-an386", tmp_path / "fw")
+    fw = firmware.build_firmware(kws[0], "mps2-an386", tmp_path / "fw")
     with pytest.raises(KeyboardInterrupt):
         with emulator.Emulator(fw.elf, fw.machine) as emu:
             dev = emu.device()

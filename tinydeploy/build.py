@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -32,28 +33,103 @@ def file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)   # says "tinydeploy made this folder" and what it made
 
 
-def prepare_outdir(outdir: Path, force: bool) -> dict:
-    """Make sure writing into outdir loses nothing the user owns. Returns the previous manifest."""
-    marker = outdir / MARKER
+def read_marker(outdir: Path) -> dict:
+    """The folder's marker when it is tinydeploy's (a JSON object naming the tool and the files it
+    wrote with their SHA-256), else {}."""
+    try:
+        m = json.loads((outdir / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not (isinstance(m, dict) and m.get("tool") == "tinydeploy" and isinstance(m.get("files"), dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in m["files"].items())):
+        return {}
+    return m
+
+
+def claim_outdir(outdir: Path, force: bool) -> dict:
+    """Make sure writing into outdir loses nothing the user owns; returns the previous marker
+    ({} for a new folder). A folder is tinydeploy's when its marker lists what tinydeploy wrote
+    there (with hashes); anything else that is not empty needs --force."""
+    outdir = Path(outdir)
+    if outdir.is_symlink() and not outdir.exists():
+        raise TinydeployError(f"output path {printable(str(outdir))!r} is a dangling symbolic link; choose another -o")
     if outdir.exists() and not outdir.is_dir():
         raise TinydeployError(f"output path {printable(str(outdir))!r} exists and is not a folder")
-    if outdir.is_dir() and any(outdir.iterdir()) and not marker.is_file() and not force:
+    previous = read_marker(outdir) if outdir.is_dir() else {}
+    if outdir.is_dir() and not previous and any(outdir.iterdir()) and not force:
         raise TinydeployError(f"output folder {printable(str(outdir))!r} is not empty and was not made by "
                               "tinydeploy; choose another -o or pass --force to write into it")
-    outdir.mkdir(parents=True, exist_ok=True)
     try:
-        return json.loads(marker.read_text()) if marker.is_file() else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TinydeployError(f"cannot create output folder {printable(str(outdir))!r}: "
+                              f"{printable(e.strerror or str(e), 80)}; choose another -o") from None
+    return previous
 
 
-def write_project(outdir: Path, files: dict[str, str], key: str) -> None:
-    for name, text in files.items():
-        with open(outdir / name, "w") as fh:
-            for i in range(0, len(text), 64 << 20):   # in slices: a 1 GB weights file is never
-                fh.write(text[i:i + (64 << 20)])       # encoded whole a second time
-    (outdir / MARKER).write_text(json.dumps({"tool": "tinydeploy", "version": __version__, "key": key,
-                                             "files": sorted(files)}, indent=1) + "\n")
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_files(outdir: Path, files: dict[str, str | bytes], previous: dict, force: bool) -> dict[str, str]:
+    """Write files (relative path -> text) into a claimed folder; returns their SHA-256 by path.
+    A file already there is replaced only if tinydeploy wrote it and nobody changed it since (its
+    hash is in `previous`), or with force; an unchanged file is left alone (make's timestamps);
+    symbolic links are never followed (each file is written to a temporary name and renamed over
+    whatever the path held)."""
+    outdir = Path(outdir)
+    ours = previous.get("files", {})
+    hashes, changed = {}, []
+    for rel, text in files.items():
+        data = text.encode() if isinstance(text, str) else bytes(text)
+        sha = hashlib.sha256(data).hexdigest()
+        hashes[rel] = sha
+        p = outdir / rel
+        if ".." in Path(rel).parts or Path(rel).is_absolute():
+            raise TinydeployError(f"internal: generated file name {printable(rel)!r} leaves the output folder")
+        for parent in reversed(p.relative_to(outdir).parents[:-1]):
+            q = outdir / parent
+            if q.is_symlink():
+                raise TinydeployError(f"{printable(str(q))} is a symbolic link inside the output folder; "
+                                      "remove it (tinydeploy never writes through links)")
+            q.mkdir(exist_ok=True)
+        if p.is_file() and not p.is_symlink():
+            current = _sha(p)
+            if current == sha:
+                continue
+            if ours.get(rel) != current and not force:
+                changed.append(rel)
+                continue
+        elif (p.exists() or p.is_symlink()) and not force and rel not in ours:
+            changed.append(rel)
+            continue
+        if p.is_dir() and not p.is_symlink():
+            raise TinydeployError(f"{printable(str(p))} is a folder where tinydeploy writes a file; remove it")
+        tmp = p.with_name(f".{p.name}.tinydeploy-{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            for i in range(0, len(data), 64 << 20):   # in slices: a 1 GB weights file is never
+                fh.write(data[i:i + (64 << 20)])       # held twice
+        os.replace(tmp, p)
+    if changed:
+        shown = ", ".join(printable(c, 60) for c in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise TinydeployError(f"{shown} in {printable(str(outdir))!r} changed since tinydeploy wrote "
+                              f"{'them' if len(changed) > 1 else 'it'} (or tinydeploy did not write "
+                              f"{'them' if len(changed) > 1 else 'it'}); pass --force to overwrite, or choose another -o")
+    return hashes
+
+
+def write_marker(outdir: Path, kind: str, hashes: dict[str, str], **extra) -> None:
+    """The one marker of an output folder: that tinydeploy made it, what it wrote there (with
+    hashes, so a stray file cannot pass for it), and, for builds, their reuse key and summary."""
+    m = {"tool": "tinydeploy", "version": __version__, "kind": kind, "files": dict(sorted(hashes.items())), **extra}
+    tmp = Path(outdir) / f".{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(m, indent=1) + "\n")
+    os.replace(tmp, Path(outdir) / MARKER)
 
 
 def tool_fingerprint() -> str:

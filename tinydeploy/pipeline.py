@@ -23,6 +23,9 @@ RUNTIME_DTYPES = {np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.uint8)}
 
 @dataclass
 class Compiled:
+    """The contract between the compiler and everything downstream (firmware, builds, runs,
+    reports): the lowered graph, one kernel per node, the memory plan, the generated C, and the
+    facts about them, so nothing downstream parses generated files back."""
     graph: ir.Graph
     kernels: list[Kernel | None]
     plan: Plan
@@ -31,6 +34,19 @@ class Compiled:
     weights_bytes: int
     sha256: str
     notes: list[str] = field(default_factory=list)
+    model: str = "model"          # the model's file name (untrusted: print through cfmt.printable)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.plan.arena_bytes
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(self.graph.t(n).nbytes for n in self.graph.inputs)
+
+    @property
+    def inputs_int8(self) -> bool:
+        return all(np.dtype(self.graph.t(n).dtype) == np.int8 for n in self.graph.inputs)
 
 
 def check_supported(g: ir.Graph) -> None:
@@ -84,4 +100,4 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     sha = sha256_file(Path(path))
     info = project.ModelInfo(Path(path).name, sha, command, board)
     files = project.generate(g, kernels, plan, info, target.isas, target.alignment, macs)
-    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes)
+    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes, Path(path).name)

@@ -1,9 +1,9 @@
 """Microcontroller firmware: a self-contained project folder around the generated model, built
 with arm-none-eabi-gcc through its own Makefile, a memory report from the ELF, and runs under QEMU.
 
-    files = compile_model(onnx, get_board("mps2-an386").make_target(), board="mps2-an386").files
-    fw = build_firmware(files, "mps2-an386", "out/")      # out/Makefile, out/src/..., out/build/firmware.elf
-    outputs, instructions, memory = run_on_emulator(files, "nano33ble", [x], out_specs)
+    c = compile_model(onnx, get_board("mps2-an386").make_target(), board="mps2-an386")
+    fw = build_firmware(c, "mps2-an386", "out/")      # out/Makefile, out/src/..., out/build/firmware.elf
+    outputs, instructions, memory = run_on_emulator(c, "nano33ble", [x], out_specs)
 
 The project folder builds without tinydeploy (`make`); the firmware speaks the MLPerf Tiny
 EnergyRunner protocol (firmware_templates/mcu/harness.c), so the open runner drives it unchanged."""
@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from tinydeploy import __version__
+from tinydeploy import build as bld
+from tinydeploy.pipeline import Compiled
 from tinydeploy.targets import boards
 from tinydeploy.targets.boards import Board
 from tinydeploy.codegen import kernels as kreg
@@ -32,7 +34,6 @@ MCU_TEMPLATES = kreg.TEMPLATES / "mcu"
 COMMON = ["harness.c", "harness.h", "port.h", "startup_cortex_m.c"]
 MODEL_SOURCES = ["model.c", "td_kernels.c", "td_weights.c"]
 MODEL_HEADERS = ["model.h", "td_kernels.h", "td_weights.h"]
-MARKER = ".tinydeploy.json"
 
 
 # ---- boards ---------------------------------------------------------------------------------
@@ -42,23 +43,12 @@ def mcu_board(board) -> Board:
     return boards.get_board(board).require_mcu()
 
 
-# ---- model facts from the generated sources ---------------------------------------------------
+# ---- the model's facts, from the compiler's contract ------------------------------------------
 
-def _define(model_h: str, name: str) -> int:
-    m = re.search(rf"#define {name} (\d+)u?\b", model_h)
-    if not m:
-        raise TinydeployError(f"model.h has no {name}; regenerate it with this tinydeploy")
-    return int(m.group(1))
-
-
-def model_facts(files: dict[str, str]) -> dict:
-    h = files["model.h"]
-    n_in = _define(h, "TD_NUM_INPUTS")
-    m = re.search(r"^ \* Model:\s+(.*)$", h, re.M)
-    return {"model": m.group(1).strip() if m else "model",
-            "weights_bytes": _define(h, "TD_WEIGHTS_BYTES"), "arena_bytes": _define(h, "TD_ARENA_BYTES"),
-            "input_bytes": sum(_define(h, f"TD_INPUT{i}_BYTES") for i in range(n_in)),
-            "inputs_int8": all(re.search(rf"#define TD_INPUT{i}_DTYPE TD_INT8\b", h) for i in range(n_in))}
+def model_facts(c: Compiled) -> dict:
+    """What the firmware needs to know of a compiled model (pipeline.Compiled)."""
+    return {"model": c.model, "weights_bytes": c.weights_bytes, "arena_bytes": c.arena_bytes,
+            "input_bytes": c.input_bytes, "inputs_int8": c.inputs_int8}
 
 
 @lru_cache(maxsize=1)
@@ -91,10 +81,10 @@ def _too_big(facts: dict, board: dict, what: str, need: int, have: int, detail: 
                            f"the board has {_kb(have)} ({detail}); {hint}")
 
 
-def check_fits(files: dict[str, str], board: dict) -> None:
+def check_fits(c: Compiled, board) -> None:
     """Refuses a model whose weights alone exceed the board's flash, or whose arena, input buffer
     and stack exceed its RAM, before anything is compiled."""
-    f = model_facts(files)
+    f = model_facts(c)
     stack = board.stack_bytes
     if f["weights_bytes"] > board.flash_bytes:
         raise _too_big(f, board, "flash", f["weights_bytes"], board.flash_bytes,
@@ -111,19 +101,19 @@ def _render(name: str, **kw) -> str:
     return kreg.env().get_template(f"mcu/{name}").render(version=__version__, **kw)
 
 
-def project_files(files: dict[str, str], board_id: str, emulate: bool = False, dut_name: str | None = None,
+def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | None = None,
                   bulk_timeout_ms: int | None = None) -> dict[str, str]:
     """Relative path -> text of the firmware project for `board_id` (emulate: for the QEMU machine
     that stands in for it, with the board's own memory limits)."""
     board = mcu_board(board_id)
     machine = board.emulator() if emulate else board
     target = machine.make_target()
-    facts = model_facts(files)
+    facts = model_facts(c)
     port = f"port_{machine.port}.c"
     if not (MCU_TEMPLATES / port).is_file():
         raise TinydeployError(f"boards/{machine.id}.json names port {machine.port!r} but {port} does not exist")
     title = f"firmware for {facts['model']} on {board.id}" + (f" (emulated by {machine.id})" if emulate else "")
-    out = {f"src/{n}": files[n] for n in MODEL_SOURCES + MODEL_HEADERS}
+    out = {f"src/{n}": c.files[n] for n in MODEL_SOURCES + MODEL_HEADERS}
     for n in COMMON + [port]:
         out[f"src/{n}"] = (MCU_TEMPLATES / n).read_text()
     if bulk_timeout_ms is None:   # QEMU's virtual time runs slower than real time while polling
@@ -153,20 +143,14 @@ def project_files(files: dict[str, str], board_id: str, emulate: bool = False, d
     return out
 
 
-def write_project(outdir, files: dict[str, str], board_id: str, emulate: bool = False, force: bool = False,
-                  **kw) -> Path:
-    from tinydeploy.build import prepare_outdir
+def write_project(outdir, c: Compiled, board_id, emulate: bool = False, force: bool = False, **kw) -> Path:
+    """The firmware project folder (build.py writes it: no file the user changed is overwritten,
+    no symlink followed, unchanged files keep their timestamps for make)."""
     outdir = Path(outdir)
-    marker = outdir / MARKER
-    prepare_outdir(outdir, force)
-    proj = project_files(files, board_id, emulate, **kw)
-    for rel, text in proj.items():
-        p = outdir / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if not p.is_file() or p.read_text() != text:     # keep make's timestamps when unchanged
-            p.write_text(text)
-    marker.write_text(json.dumps({"tool": "tinydeploy", "version": __version__, "kind": "firmware",
-                                  "board": board_id, "emulate": emulate, "files": sorted(proj)}, indent=1) + "\n")
+    previous = bld.claim_outdir(outdir, force)
+    board = mcu_board(board_id)
+    hashes = bld.write_files(outdir, project_files(c, board, emulate, **kw), previous, force)
+    bld.write_marker(outdir, "firmware", hashes, board=board.id, emulate=emulate)
     return outdir
 
 
@@ -221,7 +205,7 @@ def sections(elf: Path, board: dict) -> list[dict]:
     return out
 
 
-def memory_report(elf: Path, files: dict[str, str], board: dict, machine: dict | None = None) -> dict:
+def memory_report(elf: Path, c: Compiled, board, machine=None) -> dict:
     """Flash = everything loaded into the image (code, constants and weights, .data's initial
     values); RAM = .stack reserve + .data + .bss (which holds the arena and input buffer)."""
     machine = machine or board
@@ -233,7 +217,7 @@ def memory_report(elf: Path, files: dict[str, str], board: dict, machine: dict |
             flash += s["size"]
         if ro <= s["vma"] < ro + machine.ram_bytes:
             ram += s["size"]
-    facts = model_facts(files)
+    facts = model_facts(c)
     stack = next((s["size"] for s in secs if s["name"] == ".stack"), 0)
     return {"board": board.id, "built_for": machine.id,
             "flash_used_bytes": flash, "flash_bytes": board.flash_bytes,
@@ -253,27 +237,27 @@ class Firmware:
     memory: dict
 
 
-def build_firmware(files: dict[str, str], board_id: str, outdir=None, emulate: bool = False,
+def build_firmware(c: Compiled, board_id, outdir=None, emulate: bool = False,
                    force: bool = False, builder: str = "make", **kw) -> Firmware:
     """Writes the project (Makefile and platformio.ini), refuses a model that cannot fit, builds
     it with `builder` ("make" or "pio": PlatformIO, offline) and measures it."""
     board = mcu_board(board_id)
     machine = board.emulator() if emulate else board
-    check_fits(files, board)
-    outdir = Path(outdir) if outdir else Path(tempfile.mkdtemp(prefix=f"tinydeploy-fw-{board_id}-"))
-    write_project(outdir, files, board_id, emulate, force=force, **kw)
+    check_fits(c, board)
+    outdir = Path(outdir) if outdir else Path(tempfile.mkdtemp(prefix=f"tinydeploy-fw-{board.id}-"))
+    write_project(outdir, c, board, emulate, force=force, **kw)
     from tinydeploy.firmware import pio
-    pio.write_platformio_ini(outdir, machine.id, ldscript="link.ld", model=model_facts(files)["model"])
+    pio.write_platformio_ini(outdir, machine.id, ldscript="link.ld", model=c.model)
     if builder == "pio":
         elf = pio.pio_build(outdir, machine.id, quiet=True)
     elif builder == "make":
         elf = make(outdir, machine)
     else:
         raise TinydeployError(f"unknown builder {builder!r}: use pio or make")
-    mem = memory_report(elf, files, board, machine)
+    mem = memory_report(elf, c, board, machine)
     if not mem["fits"]:
         raise TinydeployError(
-            f"{printable(model_facts(files)['model'])} does not fit {board.id}: flash {mem['flash_used_bytes']:,} "
+            f"{printable(c.model)} does not fit {board.id}: flash {mem['flash_used_bytes']:,} "
             f"of {mem['flash_bytes']:,} B, RAM {mem['ram_used_bytes']:,} of {mem['ram_bytes']:,} B; "
             "quantise the model to int8 (4x smaller) or pick a bigger board")
     (outdir / "memory.json").write_text(json.dumps(mem, indent=1) + "\n")
@@ -343,7 +327,7 @@ def run_firmware(fw: Firmware, inputs: list[np.ndarray], out_specs, runs: int = 
     return outs, instructions, details
 
 
-def run_on_emulator(compiled_files: dict[str, str], board_id: str, inputs: list[np.ndarray], out_specs,
+def run_on_emulator(c: Compiled, board_id, inputs: list[np.ndarray], out_specs,
                     outdir=None, runs: int = 1, warmup: int = 0) -> tuple[list[np.ndarray], int, dict]:
     """Builds firmware for `board_id` (a QEMU machine, or a board with emulate_with), runs one
     set of inputs under QEMU and returns (outputs, instructions per inference, memory report).
@@ -353,7 +337,7 @@ def run_on_emulator(compiled_files: dict[str, str], board_id: str, inputs: list[
     board = mcu_board(board_id)
     emulate = not board.is_qemu_machine
     with tempfile.TemporaryDirectory(prefix="tinydeploy-fw-") as tmp:
-        fw = build_firmware(compiled_files, board_id, outdir or tmp, emulate=emulate, force=outdir is None)
+        fw = build_firmware(c, board_id, outdir or tmp, emulate=emulate, force=outdir is None)
         outs, instructions, details = run_firmware(fw, inputs, out_specs, runs=runs, warmup=warmup)
     mem = dict(fw.memory)
     mem["stack_used_bytes"] = details["stack_used_bytes"]
