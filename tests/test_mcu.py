@@ -250,7 +250,7 @@ int main(void)
 
 
 def test_mps2_instruction_counter_is_exact_at_every_timer_phase(toolchain, tmp_path):
-    """port_mps2_an386.c's counter under -icount shift=0: the same code counts the same at every
+    """port_mps2.c's counter under -icount shift=0: the same code counts the same at every
     phase of the timer, and one more nop counts exactly one more instruction."""
     board = boards.get_board("mps2-an386")
     src = firmware.MCU_TEMPLATES
@@ -260,7 +260,7 @@ def test_mps2_instruction_counter_is_exact_at_every_timer_phase(toolchain, tmp_p
                                                   ram_bytes=1 << 20, stack_bytes=4096))
     t = get_target("cortex-m4")
     r = subprocess.run([t.compiler(), *t.cflags, f"-I{src}", "-nostartfiles", "--specs=nano.specs", "-T", "link.ld",
-                        "-o", "probe.elf", "probe.c", str(src / "startup_cortex_m.c"), str(src / "port_mps2_an386.c")],
+                        "-o", "probe.elf", "probe.c", str(src / "startup_cortex_m.c"), str(src / "port_mps2.c")],
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     q = board.qemu

@@ -134,7 +134,7 @@ def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | 
     out["Makefile"] = _render("Makefile.j2", title=title, cflags=" ".join(target.cflags), sources=sources,
                               qemu=qemu, upload=upload)
     extras = []
-    if not emulate and (MCU_TEMPLATES / "port_arduino.cpp").is_file() and board.runner == "serial":
+    if not emulate and (board.platformio or {}).get("framework") == "arduino":   # the Arduino env's port
         out["arduino/port_arduino.cpp"] = (MCU_TEMPLATES / "port_arduino.cpp").read_text()
         extras.append("arduino/port_arduino.cpp")
     out["README.md"] = _render("README.md.j2", title=title, board=board, machine=machine, emulate=emulate,

@@ -159,6 +159,8 @@ def pio_board_manifest(board) -> dict:
         upload.update(protocol="sam-ba", protocols=["sam-ba"])
     elif tool:
         upload.update(protocol=tool, protocols=[tool])
+    if up.get("openocd_config"):
+        upload["openocd_config"] = up["openocd_config"]
     if up.get("touch_baud") == 1200 or up.get("use_1200bps_touch"):
         # SAM-BA bootloaders (Arduino): opening the port at 1200 baud resets the board into the
         # bootloader, which comes back as a new serial port.

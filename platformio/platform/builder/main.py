@@ -72,7 +72,8 @@ AlwaysBuild(target_size)
 
 
 # Upload: a real board through bossac (SAM-BA bootloaders such as the Arduino Nano 33 BLE's, entered
-# by opening the port at 1200 baud), or any command given as upload_command in platformio.ini.
+# by opening the port at 1200 baud), OpenOCD (ST-LINK probes), or any command given as
+# upload_command in platformio.ini.
 def before_upload(target, source, env):  # pylint: disable=unused-argument
     env.AutodetectUploadPort()
     if board.get("upload.use_1200bps_touch", False):
@@ -94,6 +95,13 @@ elif protocol == "sam-ba":
         env.Prepend(UPLOADERFLAGS=["--debug"])
     upload_actions = [env.VerboseAction(before_upload, "Looking for upload port..."),
                       env.VerboseAction("$UPLOADCMD", "Uploading $SOURCE")]
+elif protocol == "stlink":
+    # ST-LINK probes (NUCLEO, Discovery boards) through OpenOCD and its board file
+    env.Replace(UPLOADER="openocd",
+                UPLOADCMD='$UPLOADER -f "%s" -c "program %s verify reset exit"'
+                % (board.get("upload.openocd_config", "interface/stlink.cfg"),
+                   os.path.join("$BUILD_DIR", "${PROGNAME}.elf")))
+    upload_actions = [env.VerboseAction("$UPLOADCMD", "Uploading $SOURCE")]
 else:
     def no_upload(target, source, env):  # pylint: disable=unused-argument
         print("Error: board %s has no upload protocol; set upload_command in platformio.ini"

@@ -1,4 +1,5 @@
-/* port_mps2_an386.c: Arm MPS2 AN386 (Cortex-M4) as QEMU models it (-M mps2-an386).
+/* port_mps2.c: the Arm MPS2 FPGA boards as QEMU models them (-M mps2-an386: Cortex-M4,
+ * -M mps2-an500: Cortex-M7), which share one peripheral map.
  * Serial: CMSDK APB UART0 at 0x40004000. Ticks: CMSDK APB timer0 at 0x40000000, a 32-bit down
  * counter at 25 MHz. With QEMU's -icount shift=0 one tick is exactly 40 executed instructions.
  * Exit: Arm semihosting SYS_EXIT_EXTENDED (QEMU needs -semihosting-config enable=on). */
