@@ -13,7 +13,7 @@ import onnx
 import pytest
 
 from tinydeploy.runners import qemu_system as emulator
-from tinydeploy import firmware
+from tinydeploy.firmware import build_firmware
 from tinydeploy.runners import protocol
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
@@ -32,7 +32,7 @@ def firmware(toolchain, tmp_path_factory):  # noqa: F811
     vi = lambda name: onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [1, N])  # noqa: E731
     model = make_model([onnx.helper.make_node("Add", ["a", "b"], ["y"])], [vi("a"), vi("b")], [vi("y")])
     c = compile_model(save(model, tmp, "add.onnx"), get_target("cortex-m4"), board="mps2-an386")
-    return firmware.build_firmware(c.files, "mps2-an386", tmp / "fw")
+    return build_firmware(c.files, "mps2-an386", tmp / "fw")
 
 
 @pytest.fixture
@@ -300,7 +300,7 @@ def test_energyrunner_image_path_for_ic_int8(toolchain, tmp_path):  # noqa: F811
     from util import mlperf_model
     path = mlperf_model("ic_resnet8_int8.onnx")
     c = compile_model(path, get_target("cortex-m4"), board="mps2-an386")
-    fw = firmware.build_firmware(c.files, "mps2-an386", tmp_path / "fw")
+    fw = build_firmware(c.files, "mps2-an386", tmp_path / "fw")
     assert "#define TD_DB_SUBTRACT_128 1" in (fw.outdir / "src" / "harness_config.h").read_text()
     name = c.graph.inputs[0]
     x = reference.random_inputs([(name, tuple(c.graph.t(name).shape), np.int8)], seed=5)[name]
