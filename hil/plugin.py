@@ -11,6 +11,7 @@ import pytest
 
 from hil import rig
 from hil.report import collect_report, write_html
+from tinydeploy.runners.qemu_system import kill_left_behind
 
 OPTION_GROUP = "hil (hardware-in-the-loop rig, see hil/README.md)"
 
@@ -49,7 +50,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    rig.kill_qemu_left_behind()           # also after Ctrl-C or an internal error
+    kill_left_behind()                    # also after Ctrl-C or an internal error
 
 
 # ---- the session ------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def no_qemu_left_behind(request):
     hs = getattr(request.config, "_hil_session", None)
     if hs is not None:
         hs.close()
-    left = rig.kill_qemu_left_behind()
+    left = kill_left_behind()
     assert not left, f"QEMU processes were still running at the end of the session (killed now): {left}"
 
 

@@ -2,17 +2,17 @@
 
     inventory (hil/boards.yml)  which boards exist, how to reach them, how to reset them
     app                         firmware built per model and board, cached in one folder
-    transport                   QEMU (tinydeploy.emulator) or a serial port (any pyserial URL)
+    transport                   the board's reset strategy around tinydeploy.runners: QEMU
+                                (qemu_system.Emulator.boot) or a serial port (mcu.open_serial)
     device                      tinydeploy.runners.protocol.Device: expect-style reads, timeouts, full log
-    Dut                         app + transport + device, with a health check and the board's reset
+    Dut                         app + transport + device, with a health check and the board's reset;
+                                inferences through tinydeploy.runners.mcu.infer
 
 The tests only see Dut objects, so the same test code runs for every transport."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -25,6 +25,9 @@ from tinydeploy.targets import boards
 from tinydeploy import firmware
 from tinydeploy.build import file_lock
 from tinydeploy.errors import TinydeployError
+from tinydeploy.runners import mcu
+from tinydeploy.runners.harness import pack_inputs, unpack_outputs
+from tinydeploy.runners.qemu_system import Emulator
 
 HIL_DIR = Path(__file__).resolve().parent
 REPO = HIL_DIR.parent
@@ -343,7 +346,7 @@ class App:
 
     def inputs(self, seed: int) -> tuple[dict[str, np.ndarray], bytes]:
         feeds = reference.random_inputs(self.in_specs, seed)
-        return feeds, b"".join(np.ascontiguousarray(feeds[n]).tobytes() for n, _, _ in self.in_specs)
+        return feeds, pack_inputs(feeds[n] for n, _, _ in self.in_specs)
 
     def reference(self, feeds) -> list[np.ndarray]:
         """What the outputs should be: the oracle (reference.run_oracle; 8-bit models: the graph
@@ -356,14 +359,7 @@ class App:
         return reference.check_outputs(self.path, self.path.read_bytes(), feeds, got, 1e-4)
 
     def split_outputs(self, raw: bytes) -> list[np.ndarray]:
-        outs, pos = [], 0
-        for shape, dt in self.out_specs:
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            if pos + n > len(raw):
-                raise TinydeployError(f"the board returned {len(raw)} output bytes; {self.model} needs {pos + n}")
-            outs.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(shape).copy())
-            pos += n
-        return outs
+        return unpack_outputs(raw, self.out_specs, f"the board running {self.model}")
 
 
 class AppCache:
@@ -465,22 +461,18 @@ class QemuTransport(Transport):
         self._last_output = ""
 
     def open(self):
-        from tinydeploy.runners.qemu_system import Emulator
         self.close()
         self.emu = Emulator(self.fw.elf, self.fw.machine, boot_timeout=self.boot_timeout)
-        self.emu.start()
         try:
-            dev = self.emu.device(timeout=self.timeout)
-            dev.wait_boot(timeout=self.boot_timeout)
+            self.dev = self.emu.boot(timeout=self.timeout)
         except BaseException:
             self.close()
             raise
-        self.dev = dev
-        return dev
+        return self.dev
 
     def close(self) -> None:
         if self.emu is not None:
-            self._last_output = self.emu.output()
+            self._last_output = self.emu.messages()
             self.emu.close()
             self.emu = None
         self.dev = None
@@ -491,14 +483,11 @@ class QemuTransport(Transport):
 
     def kill(self) -> None:
         """SIGKILLs QEMU as a crash would (fault tests)."""
-        if self.emu is not None and self.emu.proc is not None:
-            os.killpg(self.emu.proc.pid, signal.SIGKILL)
-            self.emu.proc.wait(30)
+        if self.emu is not None:
+            self.emu.kill()
 
     def extra_log(self) -> str:
-        text = self.emu.output() if self.emu is not None else self._last_output
-        noise = ("QEMU waiting for connection", "has no peer")       # always printed, says nothing
-        text = "\n".join(ln for ln in text.splitlines() if ln.strip() and not any(n in ln for n in noise))
+        text = self.emu.messages() if self.emu is not None else self._last_output
         return text and "QEMU said: " + text
 
     def latency_unit(self) -> str:
@@ -531,27 +520,11 @@ class SerialTransport(Transport):
                 time.sleep(0.2)
 
     def open(self):
-        from tinydeploy.runners.protocol import Device
         self.close()
         self.port = self._port()
-        deadline = time.monotonic() + self.entry.reappear_timeout_s
-        while True:
-            try:
-                dev = Device(self.port, timeout=self.entry.timeout_s, baudrate=self.entry.baud)
-                break
-            except TinydeployError:
-                if time.monotonic() > deadline or "://" in self.port:
-                    raise
-                time.sleep(0.2)
-        self.dev = dev
-        try:
-            dev.drain(quiet=0.2, limit=2.0)
-            dev.resync(timeout=self.entry.boot_timeout_s)   # ends any half-sent command
-            dev.wait_boot(timeout=self.entry.boot_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-        return dev
+        e = self.entry
+        self.dev = mcu.open_serial(self.port, e.baud, e.timeout_s, e.boot_timeout_s, e.reappear_timeout_s, resync=True)
+        return self.dev
 
     def touch(self, baud: int = 1200) -> None:
         """Opens and closes the port at `baud`: the Arduino 'touch' that starts the bootloader."""
@@ -685,20 +658,18 @@ class Dut:
 
     def latency(self, counts) -> tuple[float, str]:
         """Per inference: exact instructions under QEMU, microseconds on hardware."""
-        if counts.count_unit == "instructions":
-            return float(counts.count_min), "instructions"
-        return counts.ticks_total / counts.runs / counts.tick_hz * 1e6, "us"
+        if counts.instructions is not None:
+            return float(counts.instructions), "instructions"
+        return counts.ms_per_run * 1000.0, "us"
 
     def run(self, seed: int, runs: int = 1, warmup: int = 0) -> dict:
         """Loads the seeded inputs, infers, reads the raw outputs; holds them to the references."""
         feeds, data = self.app.inputs(seed)
-        self.device.load(data)
-        self.device.infer(runs, warmup, timeout=max(self.entry.timeout_s, 120.0 * runs))
-        raw = self.device.outputs()
-        got = self.app.split_outputs(raw)
-        cmp = self.app.check(feeds, got)
-        lat, unit = self.latency(self.device.last_counts)
-        return {"outputs": got, "raw": raw, "compare": cmp, "counts": self.device.last_counts,
+        r = mcu.infer(self.device, data, self.app.out_specs, runs, warmup, timeout=max(self.entry.timeout_s, 120.0 * runs),
+                      stack=False, source=f"the board running {self.app.model}")
+        cmp = self.app.check(feeds, r["outputs"])
+        lat, unit = self.latency(r["counts"])
+        return {"outputs": r["outputs"], "raw": r["raw"], "compare": cmp, "counts": r["counts"],
                 "latency": lat, "latency_unit": unit}
 
 
@@ -707,33 +678,6 @@ def make_transport(entry: BoardEntry, app: App, cli_port: str | None = None, lis
         return QemuTransport(app.fw, entry.timeout_s, entry.boot_timeout_s)
     flasher = (lambda port: run_flash(entry, app, flash_port(entry, cli_port, list_ports))) if entry.flash else None
     return SerialTransport(entry, cli_port, list_ports, flasher)
-
-
-# ---- QEMU processes ---------------------------------------------------------------------------
-
-from tinydeploy.runners.qemu_system import qemu_processes  # noqa: E402  (one definition, shared with the tests)
-
-
-
-def kill_qemu_left_behind() -> list[int]:
-    """Stops every Emulator still registered and SIGKILLs any QEMU child left; returns the pids
-    that were still running."""
-    from tinydeploy.runners import qemu_system as emulator
-    left = sorted(set(qemu_processes()))
-    emulator._stop_all()
-    for pid in qemu_processes():
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
-    return left
 
 
 def to_json(obj) -> str:

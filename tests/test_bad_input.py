@@ -22,6 +22,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tinydeploy import cli, flow, reference
+from tinydeploy.runners.local import LocalRunner
 from util import REPO, check_model, make_model
 
 PROGRESS = "[tinydeploy] "
@@ -289,7 +290,7 @@ def test_external_data_inside_folder_builds_and_matches(tmp_path):
     import onnxruntime as ort
     b = flow.build(p, "host", tmp_path / "out", quiet=True)
     x = reference.random_inputs(flow.io_specs(b.summary, "inputs"), 0)
-    got, _ = flow.execute(b.exe, [x["x"]], [((1, 8), np.dtype(np.float32))])
+    got, _ = LocalRunner().run(b.exe, [x["x"]], [((1, 8), np.dtype(np.float32))])
     want = ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, x)
     assert reference.compare(got, want, flow.FP32_RTOL)["outputs_match"]
     np.testing.assert_allclose(got[0], x["x"] @ w, rtol=1e-5, atol=1e-5)

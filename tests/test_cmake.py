@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tinydeploy import build as bld, flow, reference
-from tinydeploy.targets import boards
 from tinydeploy.targets import get_target
+from tinydeploy.runners import select_runner
 from test_deploy import tiny_model
 from util import require
 
@@ -40,7 +40,7 @@ def test_cmake_build_matches_makefile_build(board, cc, tmp_path):
     model = tiny_model(tmp_path / "tiny.onnx")
     b = flow.build(model, board, tmp_path / "p", quiet=True)
     out = b.outdir
-    prefix = flow.runner_prefix(boards.get_board(board), emulate=board != "host")
+    runner = select_runner(board, emulate=board != "host")
     subprocess.run(["make", "-B", f"CC={cc}"], cwd=out, check=True, capture_output=True, timeout=300)
     cm = subprocess.run(["cmake", "-S", ".", "-B", "cm", f"-DCMAKE_C_COMPILER={cc}"], cwd=out, capture_output=True,
                         text=True, timeout=300)
@@ -51,8 +51,8 @@ def test_cmake_build_matches_makefile_build(board, cc, tmp_path):
     out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
     x = reference.random_inputs(specs, 3)
     feeds = [x[n] for n, _, _ in specs]
-    by_make, _ = flow.execute(out / "model_run", feeds, out_specs, prefix=prefix)
-    by_cmake, _ = flow.execute(out / "cm" / "model_run", feeds, out_specs, prefix=prefix)
+    by_make, _ = runner.run(out / "model_run", feeds, out_specs)
+    by_cmake, _ = runner.run(out / "cm" / "model_run", feeds, out_specs)
     assert all(np.array_equal(a, c) for a, c in zip(by_make, by_cmake))
     want = reference.run_onnxruntime(model.read_bytes(), x)
     assert reference.compare(by_cmake, want, flow.FP32_RTOL)["outputs_match"]

@@ -41,6 +41,7 @@ from tinydeploy.errors import TinydeployError
 from tinydeploy.frontend.importer import import_model, load_model
 from tinydeploy.ops import REGISTRY, unsupported_nodes
 from tinydeploy.pipeline import RUNTIME_DTYPES, check_supported
+from tinydeploy.runners.local import LocalRunner
 
 RTOL = 1e-4
 SUITES = ("pytorch-converted", "pytorch-operator", "simple")
@@ -147,7 +148,7 @@ def run_case(case: str, g, tmp_path: Path) -> None:
         feeds = _feeds(_load_pbs(ds, "input"), specs)
         want = [numpy_helper.to_array(t) for t in _load_pbs(ds, "output")]
         assert len(want) == len(out_specs), f"{len(want)} expected outputs, the model has {len(out_specs)}"
-        got, _ = flow.execute(b.exe, feeds, out_specs)
+        got, _ = LocalRunner().run(b.exe, feeds, out_specs)
         res = reference.compare(got, want, RTOL)
         assert res["outputs_match"], (
             f"{ds.name}: max_rel_error {res['max_rel_error']:.3g} > {RTOL} (max_abs_error "

@@ -17,8 +17,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tinydeploy import flow, reference
-from tinydeploy import firmware
 from tinydeploy.codegen import kernels as kreg
+from tinydeploy.runners.mcu import run_under_qemu
 from util import check_8bit
 
 ISA = "cortex-m4-dsp"
@@ -80,7 +80,7 @@ def _run(path, outdir, seeds):
     outs, instr = [], None
     for seed in seeds:
         feeds = reference.random_inputs(specs, seed)
-        got, n, _ = firmware.run_firmware(b.firmware, [feeds[name] for name, _, _ in specs], out_specs)
+        got, n, _ = run_under_qemu(b.firmware, [feeds[name] for name, _, _ in specs], out_specs)
         outs.append((feeds, got))
         instr = n
     source = (outdir / "src" / "td_kernels.c").read_text()

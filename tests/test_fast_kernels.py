@@ -15,8 +15,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from tinydeploy import flow, reference, targets
-from tinydeploy.targets import boards
 from tinydeploy import schedule
+from tinydeploy.runners import select_runner
 from util import check_model, make_model, require, save
 
 RNG_SEED = 1234
@@ -168,9 +168,8 @@ def outputs_of(path, outdir, feeds=None, board="host"):
     b = flow.build(path, board, outdir, reuse=True, quiet=True, cc="gcc" if board == "host" else None)
     specs = flow.io_specs(b.summary, "inputs")
     x = feeds if feeds is not None else reference.random_inputs(specs, 0)
-    prefix = flow.runner_prefix(boards.get_board(board), board != "host")
-    got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs],
-                          [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")], prefix=prefix)
+    got, _ = select_runner(board, emulate=board != "host").run(
+        b.exe, [x[n] for n, _, _ in specs], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
     return got, x, (outdir / "td_kernels.c").read_text()
 
 

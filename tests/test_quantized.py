@@ -20,6 +20,7 @@ from tinydeploy.frontend.importer import import_model
 from tinydeploy.quant.exact import requant_exact as requantize
 from tinydeploy.quant.params import quantize_multiplier
 from tinydeploy.quant.qdq import quantize_qdq
+from tinydeploy.runners.local import LocalRunner
 from util import check_8bit, check_model_lsb, make_model, mlperf_model, save
 
 ONNX_T = {np.dtype(np.int8): TP.INT8, np.dtype(np.uint8): TP.UINT8, np.dtype(np.int32): TP.INT32,
@@ -291,7 +292,7 @@ def _run_tied(m, tmp_path, seed=0):
     b = flow.build(path, "host", tmp_path / "b", quiet=True)
     specs = flow.io_specs(b.summary, "inputs")
     x = reference.random_inputs(specs, seed)
-    got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
+    got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
     res = check_8bit(path, x, got)
     return x, got[0].astype(np.int64), res
 
@@ -508,7 +509,7 @@ def test_kws_int8_at_decision_boundaries(tmp_path):
     specs = flow.io_specs(b.summary, "inputs")
     out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
     for feeds in inputs:
-        got, _ = flow.execute(b.exe, [feeds[n] for n, _, _ in specs], out_specs)
+        got, _ = LocalRunner().run(b.exe, [feeds[n] for n, _, _ in specs], out_specs)
         res = check_8bit(path, feeds, got, label="boundary input")
         assert res["max_abs_error"] <= 1, res
         assert "note" in res["onnxruntime_fast"]

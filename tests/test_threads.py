@@ -13,11 +13,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from tinydeploy import cli, flow, reference
-from tinydeploy.targets import boards
 from tinydeploy import schedule
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
 from tinydeploy.targets import get_target
+from tinydeploy.runners import select_runner
 from util import SANITIZE, make_model, mlperf_model, require, save
 
 ALGOS = ["conv2d_gemm", "conv2d_igemm", "conv2d_gemmt", "conv2d_dw", "dense_packed"]
@@ -55,7 +55,7 @@ def small_model():
 @pytest.fixture
 def model(tmp_path, monkeypatch):
     # every layer of the small model is worth threading (the real threshold keeps tiny layers serial)
-    monkeypatch.setattr(select, "MIN_THREAD_MACS", 64)
+    monkeypatch.setattr(schedule, "MIN_THREAD_MACS", 64)
     return save(small_model(), tmp_path)
 
 
@@ -64,9 +64,8 @@ def build_and_run(path, outdir, threads, board="host", extra_cflags=None):
                    extra_cflags=extra_cflags)
     specs = flow.io_specs(b.summary, "inputs")
     x = reference.random_inputs(specs, 0)
-    prefix = flow.runner_prefix(boards.get_board(board), board != "host")
-    got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs],
-                          [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")], prefix=prefix)
+    got, _ = select_runner(board, emulate=board != "host").run(
+        b.exe, [x[n] for n, _, _ in specs], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
     want = reference.run_onnxruntime(path.read_bytes(), x)
     res = reference.compare(got, want, flow.FP32_RTOL)
     assert res["outputs_match"], f"{threads} threads: {res}"
@@ -119,7 +118,7 @@ def test_per_thread_scratch_and_threshold(model, monkeypatch):
             assert k3.params["WST"] >= k3.params["KC"] * k3.params["NC"] and k3.params["NC"] <= k1.params["NC"]
         assert f"threads {t}]" in k3.desc
     assert three.plan.arena_bytes >= one.plan.arena_bytes
-    monkeypatch.setattr(select, "MIN_THREAD_MACS", 10 ** 9)      # nothing is worth a thread
+    monkeypatch.setattr(schedule, "MIN_THREAD_MACS", 10 ** 9)      # nothing is worth a thread
     assert compile_model(model, get_target("host"), threads=3).files["td_kernels.c"] == one.files["td_kernels.c"]
 
 

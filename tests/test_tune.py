@@ -14,6 +14,10 @@ from tinydeploy.schedule import tuner as tune
 from tinydeploy.schedule import tuning
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
+from tinydeploy.runners import select_runner
+from tinydeploy.runners.harness import time_runs
+from tinydeploy.runners.local import LocalRunner
+from tinydeploy.runners.ssh import SshRunner
 from util import make_model, save
 
 
@@ -67,7 +71,7 @@ def test_tune_resumes_and_select_uses_the_entries(model, tmp_path, monkeypatch):
 
     # select takes the database's choice (here one the cost model would not make) and says so
     isa = schedule._isa("conv2d_gemm", targets.get_target("host"))
-    tile = list(select.TILES[isa][-1][:2])
+    tile = list(schedule._tiles(isa)[-1][:2])
     on_disk["layers"][sigs[1]] = {"algo": "conv2d_gemm", "tile": tile, "blocking": [24, 16, 64]}
     db_path.write_text(json.dumps(on_disk))
     monkeypatch.setenv("TINYDEPLOY_TUNING", str(db_path))
@@ -78,7 +82,7 @@ def test_tune_resumes_and_select_uses_the_entries(model, tmp_path, monkeypatch):
     assert "tuned]" in b.compiled.kernels[1].desc
     specs = flow.io_specs(b.summary, "inputs")
     x = reference.random_inputs(specs, 3)
-    got, _ = flow.execute(b.exe, [x["x"]], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
+    got, _ = LocalRunner().run(b.exe, [x["x"]], [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")])
     res = reference.compare(got, reference.run_onnxruntime(model.read_bytes(), x), flow.FP32_RTOL)
     assert res["outputs_match"], res
 
@@ -178,7 +182,7 @@ class FakeRemote:
         self.target = target
         self.root = tempfile.mkdtemp(prefix="fake-board-")
 
-    def tempdir(self):
+    def tempdir(self, path=None):
         import contextlib
         import shutil
 
@@ -202,21 +206,23 @@ class FakeRemote:
         return subprocess.run(argv, input=stdin, capture_output=True, timeout=timeout)
 
 
-def test_ssh_runner_copies_runs_and_checks(model, tmp_path, monkeypatch):
+def test_ssh_runner_copies_runs_and_checks(model, tmp_path):
     import pathlib
 
-    import tinydeploy.runners.ssh
-    monkeypatch.setattr(tinydeploy.remote, "Remote", FakeRemote)
     b = flow.build(model, "host", tmp_path / "b", quiet=True)
+    b2 = flow.build(model, "host", tmp_path / "b2", quiet=True)
     x = reference.random_inputs(flow.io_specs(b.summary, "inputs"), 0)["x"]
     out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
-    runner = tune.SshRunner("pi@board", None, None)
-    board_dir = pathlib.Path(runner.dir)
-    got, ms = runner(b.exe, [x], out_specs, 3)
-    want, _ = flow.execute(b.exe, [x], out_specs)
+    runner = select_runner("host", remote=FakeRemote("pi@board"))
+    assert isinstance(runner, SshRunner) and runner.where == "on pi@board"
+    board_dir = pathlib.Path(runner.open())
+    got, ms = runner.run(b.exe, [x], out_specs, 3)
+    want, _ = LocalRunner().run(b.exe, [x], out_specs)
     assert ms > 0 and got[0].tobytes() == want[0].tobytes()
-    assert tune._time(runner, b.exe, [x], out_specs, 0.01) > 0
-    assert len(list(board_dir.glob("c*_model_run"))) == 1      # copied once
+    assert time_runs(runner, b.exe, [x], out_specs, 0.01, probe=3)[0] > 0
+    assert runner.run(b2.exe, [x], out_specs)[0][0].tobytes() == want[0].tobytes()
+    # each binary copied once; the second model_run under a name of its own
+    assert sorted(p.name for p in board_dir.glob("*model_run")) == ["c1_model_run", "model_run"]
     runner.close()
     assert not board_dir.exists()
 

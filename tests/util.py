@@ -9,6 +9,7 @@ import onnx
 import pytest
 
 from tinydeploy import flow, reference
+from tinydeploy.runners.local import LocalRunner
 
 REPO = Path(__file__).resolve().parents[1]
 MLPERF = REPO.parent / "shared" / "models" / "mlperf_tiny"
@@ -63,7 +64,7 @@ def check_model(model: onnx.ModelProto | Path, tmp_path: Path, feeds: dict | Non
     for v in variants:
         b, specs, out_specs = _build_variant(path, v, tmp_path, input_shapes)
         x = feeds if feeds is not None else reference.random_inputs(specs, seed)
-        got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs], out_specs)
+        got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], out_specs)
         want = reference.run_onnxruntime(path.read_bytes(), x)
         res = reference.compare(got, want, rtol)
         assert res["outputs_match"], f"{v}: {res} (rtol {rtol})"
@@ -110,7 +111,7 @@ def check_model_lsb(model: onnx.ModelProto | Path, tmp_path: Path, feeds: dict |
         results = []
         for seed in seeds:
             x = feeds if feeds is not None else reference.random_inputs(specs, seed)
-            got, _ = flow.execute(b.exe, [x[n] for n, _, _ in specs], out_specs)
+            got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], out_specs)
             results.append(check_8bit(path, x, got, input_shapes, exact_required, f"{v}, seed {seed}",
                                       b.summary.get("output_lsb")))
     return results

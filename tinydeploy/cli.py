@@ -246,9 +246,9 @@ def _dispatch(args, command: str) -> int:
         if not board.is_mcu or board.runner != "serial":
             raise TinydeployError(f"{args.board} is not a board to flash (it runs via {board.runner})")
         folder = Path(args.builddir) if args.builddir else None
-        if folder is None or not (folder / "pio.ini").is_file():
+        if folder is None or not (folder / "platformio.ini").is_file():
             raise TinydeployError("give the folder `tinydeploy build --board " + args.board + "` wrote "
-                                  "(it holds pio.ini)")
+                                  "(it holds platformio.ini)")
         firmware.mcu_board(args.board)
         pio.pio_upload(folder, args.board, args.port)
         print(f"flashed {folder} to {args.board}")

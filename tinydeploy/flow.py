@@ -2,23 +2,23 @@
 board, run it against onnxruntime, benchmark it."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import re
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import build as bld, reference
+from tinydeploy import build as bld, reference, runners
 from tinydeploy.targets import boards
 from tinydeploy import schedule
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import Compiled, compile_model
+from tinydeploy.runners.harness import time_runs
 
 FP32_RTOL = 1e-4
 RELEASE_C_BYTES = 64 << 20   # generated C larger than this is dropped from memory once written
@@ -214,79 +214,6 @@ def io_specs(summary: dict, kind: str) -> list[tuple[str, tuple, np.dtype]]:
     return [(n, tuple(shape), np.dtype(dt)) for n, shape, dt in summary[kind]]
 
 
-def execute(exe: Path, feeds: list[np.ndarray], out_specs: list[tuple[tuple, np.dtype]], runs: int = 0,
-            prefix: list[str] = ()):
-    """Run the harness binary on inputs (under `prefix`, e.g. qemu-aarch64, when emulating);
-    returns (outputs, median latency in ms or None)."""
-    outs, stdout = run_harness(exe, feeds, out_specs, runs, prefix)
-    return outs, median_ms(stdout)
-
-
-def profile_layers(exe: Path, feeds, out_specs, runs: int, prefix: list[str] = ()) -> tuple[float, dict[int, float]]:
-    """Run a harness built with -DTD_PROFILE: (median latency in us, {step: median us})."""
-    _, stdout = run_harness(exe, feeds, out_specs, runs, prefix)
-    m = re.search(r"latency_us_median ([0-9.]+)", stdout)
-    layers = {int(s): float(us) for s, us in re.findall(r"^layer_us_median (\d+) ([0-9.]+)$", stdout, re.M)}
-    if m is None or not layers:
-        raise TinydeployError("the harness printed no per-layer times (was it built with -DTD_PROFILE?)")
-    return float(m.group(1)), layers
-
-
-def run_harness(exe: Path, feeds, out_specs, runs: int = 0, prefix: list[str] = ()) -> tuple[list[np.ndarray], str]:
-    """The harness binary on inputs: (outputs, its stdout)."""
-    with tempfile.TemporaryDirectory(prefix="tinydeploy-") as tmp:
-        fin, fout = Path(tmp) / "in.bin", Path(tmp) / "out.bin"
-        fin.write_bytes(pack_inputs(feeds))
-        try:
-            r = subprocess.run([*prefix, str(exe.resolve()), str(fin), str(fout), str(runs)], capture_output=True,
-                               text=True, timeout=3600)
-        except subprocess.TimeoutExpired:
-            raise TinydeployError("the model binary ran for more than an hour; stopped it") from None
-        if r.returncode != 0:
-            raise TinydeployError(f"the model binary failed (exit {r.returncode}): "
-                                  f"{printable(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '', 200)}")
-        raw = fout.read_bytes()
-    return unpack_outputs(raw, out_specs), r.stdout
-
-
-def pack_inputs(feeds) -> bytes:
-    """The harness's IN.bin: all inputs back to back."""
-    return b"".join(np.ascontiguousarray(a).tobytes() for a in feeds)
-
-
-def unpack_outputs(raw: bytes, out_specs) -> list[np.ndarray]:
-    """The harness's OUT.bin split into the outputs."""
-    outs, pos = [], 0
-    for shape, dt in out_specs:
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        outs.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(shape).copy())
-        pos += n
-    return outs
-
-
-def median_ms(stdout: str) -> float | None:
-    """The harness's timed median (it prints microseconds), in ms; None when it did not time."""
-    m = re.search(r"latency_us_median ([0-9.]+)", stdout)
-    return float(m.group(1)) / 1000.0 if m else None
-
-
-def measure_runs(exe: Path, feeds, out_specs, budget_s: float = 1.0, executor=None) -> tuple[float, int]:
-    """Median latency (ms) over as many runs as fit in about budget_s (3 to 1000), by `executor`
-    (see run; default: execute here). One inference's time is the harness's own figure, so the
-    start-up of the process (or an ssh round trip) does not shrink the number of runs."""
-    ex = executor or execute
-    t0 = time.perf_counter()
-    _, ms1 = ex(exe, feeds, out_specs, runs=1)
-    runs = runs_within(budget_s, ms1 / 1000.0 if ms1 else time.perf_counter() - t0)
-    _, ms = ex(exe, feeds, out_specs, runs=runs)
-    return ms, runs
-
-
-def runs_within(budget_s: float, once_s: float) -> int:
-    """How many timed runs of `once_s` seconds fit in about budget_s: 3 to 1000."""
-    return int(min(1000, max(3, budget_s / max(once_s, 1e-4))))
-
-
 def reference_model_bytes(model: Path) -> bytes:
     """The model as onnxruntime gets it. onnxruntime resolves the external data of a model given
     as bytes against the current folder, so such data is inlined here, loaded by
@@ -301,85 +228,58 @@ def reference_model_bytes(model: Path) -> bytes:
     return load_model(model).SerializeToString()
 
 
-def runner_prefix(board, emulate: bool) -> list[str]:
-    """How to start the harness binary of a Linux board here: natively (host) or under QEMU."""
-    if board.runs_here or not board.is_linux:
-        return []
-    cmd = board.qemu_user
-    if cmd is None:
-        raise TinydeployError(f"board {board.id} is not this machine and its manifest names no user-mode QEMU; "
-                              "run it on the board (`tinydeploy deploy`)")
-    if not emulate:
-        raise TinydeployError(f"board {board.id} is not this machine: add --emulate to run the build under "
-                              f"{cmd[0]} here")
-    import shutil
-    if shutil.which(cmd[0]) is None:
-        raise TinydeployError(f"{cmd[0]} not found; install it (Debian: apt-get install qemu-user)")
-    return cmd
-
-
 def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outdir=None,
         force: bool = False, command: str = "", quiet: bool = False, extra_cflags=None, cc=None,
-        latency: bool = True, emulate: bool = False, executor=None, runs: int | None = None,
+        latency: bool = True, emulate: bool = False, runner=None, runs: int | None = None,
         seconds: float = 1.0, threads: int = 1, max_weights_bytes=None) -> dict:
-    """Build, run on the inputs, compare with onnxruntime, time. `executor(exe, feeds, out_specs,
-    runs=N) -> (outputs, median ms or None)` runs a Linux board's harness elsewhere (deploy: over
-    ssh; measure --energy: while sampling power); default: here, natively or under QEMU. `runs`
-    fixes the number of timed runs (default: as many as fit in about `seconds`; none for the
-    default executor under QEMU, whose time means nothing)."""
+    """Build, run on the inputs, compare with onnxruntime, time. `runner` (tinydeploy.runners)
+    runs a Linux board's harness elsewhere (deploy: over ssh; measure: with --energy while sampling
+    power); default: runners.select_runner's, here. `runs` fixes the number of timed runs (default:
+    as many as fit in about `seconds`; none for the default runner under user-mode QEMU, whose time
+    means nothing)."""
     model = Path(model)
     board = boards.get_board(board)
     board_id = board.id
     check_threads(board, threads)
-    if board.is_mcu and not board.is_qemu_machine and not emulate:
-        raise TinydeployError(f"{board_id} is a real board: add --emulate to run its firmware under QEMU here, "
-                              f"or flash it (`tinydeploy build --board {board_id}`, then PlatformIO upload) and "
-                              f"run the rig: pytest hil --board {board_id} --port PORT")
-    prefix = runner_prefix(board, emulate) if executor is None else []
-    ex = executor or functools.partial(execute, prefix=prefix)
-    emulated = emulate and board.is_linux and not board.runs_here
-    b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
-              extra_cflags=extra_cflags, cc=cc, emulate=emulate, threads=threads,
-              max_weights_bytes=max_weights_bytes)
-    specs = io_specs(b.summary, "inputs")
-    feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
-    out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
-    instructions = None
-    if b.firmware is not None:
-        from tinydeploy import firmware
-        log = (lambda m: None) if quiet else progress
-        log(f"running under QEMU ({b.firmware.machine.id}, -icount: exact instruction counts)")
-        got, instructions, details = firmware.run_firmware(b.firmware, [feeds[n] for n, _, _ in specs], out_specs)
-    else:
-        got, _ = ex(b.exe, [feeds[n] for n, _, _ in specs], out_specs, runs=0)
-    # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs against the oracle
-    cmp = reference.check_outputs(model, reference_model_bytes(model), feeds, got, FP32_RTOL,
-                                  b.summary.get("output_lsb"), input_shapes)
-    result = {"model": model.name, "board": board_id, **cmp, "macs": b.summary["macs"],
-              "latency": {"median_ms": None, "runs": 0},
-              "memory": {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
-                         "weights_bytes": b.summary["weights_bytes"]}}
-    if b.firmware is not None:
-        fwm = b.summary["firmware"]
-        clock = board.clock_hz
-        result["latency"] = {"median_ms": instructions / clock * 1000.0 if clock else None, "runs": 1,
-                             "instructions": instructions,
-                             "note": "instructions per inference, exact under QEMU -icount; median_ms = "
-                                     "instructions / board clock (a lower bound on the real board)"}
-        result["memory"].update(flash_bytes=fwm["flash_used_bytes"], ram_bytes=fwm["ram_used_bytes"],
-                                flash_limit_bytes=fwm["flash_bytes"], ram_limit_bytes=fwm["ram_bytes"],
-                                stack_used_bytes=details["stack_used_bytes"])
-        result["emulated"] = True    # microcontroller firmware runs under QEMU here
-    elif emulated and not runs and executor is None:
-        result["emulated"] = True   # user-mode QEMU: results are real, time is not
-    elif latency:
+    timed = runner is not None or bool(runs)     # a runner handed in is for measuring (and stays open)
+    with contextlib.nullcontext(runner) if runner else runners.select_runner(board, emulate) as runner:
+        b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
+                  extra_cflags=extra_cflags, cc=cc, emulate=emulate, threads=threads,
+                  max_weights_bytes=max_weights_bytes)
+        specs = io_specs(b.summary, "inputs")
+        feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
+        out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
         x = [feeds[n] for n, _, _ in specs]
-        ms = ex(b.exe, x, out_specs, runs=runs)[1] if runs else None
-        if not runs:
-            ms, runs = measure_runs(b.exe, x, out_specs, seconds, executor=ex)
-        result["latency"] = {"median_ms": ms, "runs": runs}
-        if emulated:
-            result["emulated"] = True
+        built = b.exe if b.firmware is None else b.firmware
+        if b.firmware is not None and not quiet:
+            progress(f"running under QEMU ({b.firmware.machine.id}, -icount: exact instruction counts)")
+        got, ms = runner.run(built, x, out_specs, runs=0)
+        # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs against the oracle
+        cmp = reference.check_outputs(model, reference_model_bytes(model), feeds, got, FP32_RTOL,
+                                      b.summary.get("output_lsb"), input_shapes)
+        result = {"model": model.name, "board": board_id, **cmp, "macs": b.summary["macs"],
+                  "latency": {"median_ms": None, "runs": 0},
+                  "memory": {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
+                             "weights_bytes": b.summary["weights_bytes"]}}
+        if b.firmware is not None:
+            fwm = b.summary["firmware"]
+            result["latency"] = {"median_ms": ms, "runs": 1, "instructions": runner.last["instructions"],
+                                 "note": "instructions per inference, exact under QEMU -icount; median_ms = "
+                                         "instructions / board clock (a lower bound on the real board)"}
+            result["memory"].update(flash_bytes=fwm["flash_used_bytes"], ram_bytes=fwm["ram_used_bytes"],
+                                    flash_limit_bytes=fwm["flash_bytes"], ram_limit_bytes=fwm["ram_bytes"],
+                                    stack_used_bytes=runner.last["stack_used_bytes"])
+            result["emulated"] = True    # microcontroller firmware runs under QEMU here
+        elif runner.emulated and not timed:
+            result["emulated"] = True   # user-mode QEMU: results are real, time is not
+        elif latency:
+            if runs:
+                ms = runner.run(built, x, out_specs, runs=runs)[1]
+            else:
+                ms, runs = time_runs(runner, built, x, out_specs, seconds)
+            result["latency"] = {"median_ms": ms, "runs": runs}
+            if runner.emulated:
+                result["emulated"] = True
     return result
 
 
@@ -389,43 +289,54 @@ def measure(model, board, port: str | None, inputs=None, seed: int = 0, input_sh
             max_weights_bytes=None) -> dict:
     """The `run` flow against a board that already runs this model's firmware, over a serial port
     (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests). Linux boards are
-    measured on this machine instead, with --energy from their power rails (energy.measure_local)."""
-    from tinydeploy import firmware
-    from tinydeploy.runners.protocol import Device
+    measured on this machine instead (natively on the board itself, or with --emulate), with
+    --energy from their power rails (runners.energy)."""
     model = Path(model)
     board = boards.get_board(board)
     board_id = board.id
     if board.is_linux:
-        if port:
-            raise TinydeployError(f"--port is for microcontroller boards; measure {board_id} on the board itself "
-                                  f"(or here with --emulate), or from here with `tinydeploy deploy --ssh user@host`")
-        from tinydeploy.runners import energy as en
-        return en.measure_local(model, board, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
-                                input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet,
-                                max_weights_bytes=max_weights_bytes)
+        return _measure_linux(model, board, port, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
+                              input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet,
+                              max_weights_bytes=max_weights_bytes)
     if energy:
         raise TinydeployError(f"--energy reads a Jetson's power rails; {board_id} is a microcontroller (measure its "
                               "energy with an external power analyser)")
     if not port:
         raise TinydeployError(f"{board_id} is a microcontroller: give its serial port with --port (/dev/ttyACM0, or "
                               "a pyserial URL)")
-    runs = runs or 1
+    runner = runners.select_runner(board, port=port, timeout=timeout)
     b = build(model, board, outdir, force, input_shapes, command, quiet=quiet, max_weights_bytes=max_weights_bytes)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
-    with Device(port, timeout=timeout, baudrate=int(board.serial_baud)) as dev:
-        dev.wait_boot(timeout=timeout)
-        got, counts, stack_used = firmware.infer_on_device(dev, b.firmware.memory, [feeds[n] for n, _, _ in specs],
-                                                      out_specs, runs=runs)
+    got, ms = runner.run(b.firmware, [feeds[n] for n, _, _ in specs], out_specs, runs=runs or 1)
     cmp = reference.check_outputs(model, reference_model_bytes(model), feeds, got, FP32_RTOL,
                                   b.summary.get("output_lsb"), input_shapes)
-    lat = {"runs": counts.runs, "median_ms": counts.ticks_per_run / counts.tick_hz * 1000.0}
-    if counts.count_unit == "instructions":
-        lat["instructions"] = counts.count_min
+    counts = runner.last["counts"]
+    lat = {"runs": counts.runs, "median_ms": ms}
+    if counts.instructions is not None:
+        lat["instructions"] = counts.instructions
     fwm = b.summary["firmware"]
     return {"model": model.name, "board": board_id, "port": port, **cmp, "latency": lat,
             "memory": {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
                        "weights_bytes": b.summary["weights_bytes"], "flash_bytes": fwm["flash_used_bytes"],
                        "ram_bytes": fwm["ram_used_bytes"], "flash_limit_bytes": fwm["flash_bytes"],
-                       "ram_limit_bytes": fwm["ram_bytes"], "stack_used_bytes": stack_used}}
+                       "ram_limit_bytes": fwm["ram_bytes"], "stack_used_bytes": runner.last["stack_used_bytes"]}}
+
+
+def _measure_linux(model: Path, board, port, energy: bool, sysfs_root, emulate: bool, runs, **run_args) -> dict:
+    """`measure` of a Linux board on this machine: `run` with timing, and with --energy the
+    board's power rails sampled during the timed runs ("energy" in the report; the window is at
+    least energy.MIN_WINDOW_S unless `runs` is given)."""
+    rails = None
+    if energy:
+        from tinydeploy.runners import energy as en
+        rails = en.find_rails(board, sysfs_root)
+    runner = runners.select_runner(board, emulate, port=port)
+    if energy:
+        runner = en.EnergyRunner(runner, rails, min_window_s=0.0 if runs else en.MIN_WINDOW_S)
+    res = run(model, board, emulate=emulate, runner=runner, runs=runs, **run_args)
+    if energy:
+        res["energy"] = runner.report()
+        res["latency"]["runs"] = runner.runs      # the window may have been lengthened
+    return res

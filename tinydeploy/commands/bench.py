@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from tinydeploy import flow, reference
+from tinydeploy import flow, reference, runners
+from tinydeploy.runners.harness import runs_within, time_runs
 
 
 def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float, threads: int = 1) -> tuple[float, int]:
@@ -22,8 +23,7 @@ def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float, threads: in
     sess.run(None, feeds)
     t0 = time.perf_counter()
     sess.run(None, feeds)
-    once = max(time.perf_counter() - t0, 1e-5)
-    runs = int(min(1000, max(3, budget_s / once)))
+    runs = runs_within(budget_s, time.perf_counter() - t0)
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -63,6 +63,7 @@ def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json:
     flow.check_threads(board_obj, threads)
     if board_obj.is_mcu:
         return bench_mcu(models, board, as_json, max_weights_bytes)
+    runner = runners.select_runner(board_obj)
     rows = []
     for m in models:
         path = Path(m)
@@ -71,7 +72,7 @@ def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json:
         feeds = reference.random_inputs(specs, 0)
         out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
         x = [feeds[n] for n, _, _ in specs]
-        ours, runs = flow.measure_runs(b.exe, x, out_specs, seconds)
+        ours, runs = time_runs(runner, b.exe, x, out_specs, seconds)
         ort_ms, ort_runs = onnxruntime_median_ms(path, feeds, seconds, threads)
         macs = b.summary["macs"]
         rows.append({"model": path.name, "board": board, "threads": threads, "median_ms": ours, "runs": runs,
@@ -108,20 +109,20 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
     if b_info.is_mcu:
         raise TinydeployError(f"bench --layers times layers of Linux boards; for {board} use `tinydeploy bench "
                               f"--board {board}` (instruction counts per inference)")
-    prefix = flow.runner_prefix(b_info, emulate)
+    runner = runners.select_runner(b_info, emulate)
     results = []
     for m in models:
         path = Path(m)
-        outdir = flow.default_outdir(path, board + ("-emulated" if prefix else "") + "-profile")
+        outdir = flow.default_outdir(path, board + ("-emulated" if runner.emulated else "") + "-profile")
         b = flow.build(path, board, outdir, reuse=True, quiet=as_json, extra_cflags=["-DTD_PROFILE"], threads=threads,
                        max_weights_bytes=max_weights_bytes)
         specs = flow.io_specs(b.summary, "inputs")
         feeds = reference.random_inputs(specs, 0)
         x = [feeds[n] for n, _, _ in specs]
         out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
-        _, ms = flow.execute(b.exe, x, out_specs, runs=3, prefix=prefix)
-        runs = flow.runs_within(seconds, ms / 1000.0)
-        total_us, per_layer = flow.profile_layers(b.exe, x, out_specs, runs, prefix)
+        _, ms = runner.run(b.exe, x, out_specs, runs=3)
+        runs = runs_within(seconds, ms / 1000.0)
+        total_us, per_layer = runner.profile(b.exe, x, runs)
         layer_sum = sum(per_layer.values()) or 1.0
         rows = []
         for step, op, name, algo, macs in b.summary["layer_table"]:
@@ -130,7 +131,7 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
                          "gflops": 2 * macs / (us * 1e3) if us > 0 and macs else None,
                          "share_percent": 100.0 * us / layer_sum})
         macs = b.summary["macs"]
-        results.append({"model": path.name, "board": board, "emulated": bool(prefix), "runs": runs,
+        results.append({"model": path.name, "board": board, "emulated": runner.emulated, "runs": runs,
                         "total_us": total_us, "layers_us_sum": layer_sum, "macs": macs,
                         "gflops": 2 * macs / (total_us * 1e3) if total_us > 0 else None, "layers": rows})
     if as_json:

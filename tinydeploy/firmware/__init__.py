@@ -1,5 +1,6 @@
 """Microcontroller firmware: a self-contained project folder around the generated model, built
-with arm-none-eabi-gcc through its own Makefile, a memory report from the ELF, and runs under QEMU.
+with arm-none-eabi-gcc through its own Makefile, a memory report from the ELF; run_on_emulator builds
+and runs it under QEMU (tinydeploy.runners.mcu runs built firmware).
 
     c = compile_model(onnx, get_board("mps2-an386").make_target(), board="mps2-an386")
     fw = build_firmware(c, "mps2-an386", "out/")      # out/Makefile, out/src/..., out/build/firmware.elf
@@ -16,7 +17,6 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -264,68 +264,7 @@ def build_firmware(c: Compiled, board_id, outdir=None, emulate: bool = False,
     return Firmware(outdir, elf, board, machine, mem)
 
 
-# ---- running under QEMU ---------------------------------------------------------------------
-
-def instructions_per_tick(machine: dict, tick_hz: int) -> Fraction:
-    """Under -icount shift=N one instruction takes 2^N ns of virtual time."""
-    shift = int(machine.qemu.get("icount_shift", 0))
-    return Fraction(10 ** 9, tick_hz * 2 ** shift)
-
-
-def infer_on_device(dev, memory: dict, inputs: list[np.ndarray], out_specs, runs: int = 1, warmup: int = 0,
-                    timeout: float = 600.0) -> tuple[list[np.ndarray], object, int]:
-    """Loads inputs into a device that speaks the protocol (QEMU or a real board), infers, and
-    reads the raw outputs back; returns (outputs, protocol.Counts, stack high-water mark)."""
-    data = b"".join(np.ascontiguousarray(a).tobytes() for a in inputs)
-    if len(data) != memory["input_buffer_bytes"]:
-        raise TinydeployError(f"the inputs hold {len(data):,} bytes but the model takes {memory['input_buffer_bytes']:,}")
-    dev.load(data)
-    dev.infer(runs, warmup, timeout=timeout)
-    raw = dev.outputs()
-    counts = dev.last_counts
-    stack_used, _ = dev.stack()
-    outs, pos = [], 0
-    for shape, dt in out_specs:
-        dt = np.dtype(dt)
-        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if pos + n > len(raw):
-            raise TinydeployError(f"the firmware returned {len(raw)} output bytes; expected at least {pos + n}")
-        outs.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(shape).copy())
-        pos += n
-    return outs, counts, stack_used
-
-
-def run_firmware(fw: Firmware, inputs: list[np.ndarray], out_specs, runs: int = 1, warmup: int = 0,
-                 timeout: float = 600.0) -> tuple[list[np.ndarray], int, dict]:
-    """Runs a built firmware under QEMU on `inputs`; returns (outputs, instructions per inference,
-    details)."""
-    from tinydeploy.runners.qemu_system import Emulator
-    with Emulator(fw.elf, fw.machine) as emu:
-        dev = emu.device(timeout=timeout)
-        try:
-            dev.wait_boot(timeout=60)
-            outs, counts, stack_used = infer_on_device(dev, fw.memory, inputs, out_specs, runs, warmup, timeout)
-            dev.quit()
-        except TinydeployError as e:
-            qemu = emu.output().strip()
-            ended = emu.wait(0.5)
-            why = {3: " (the firmware crashed: hard fault)", 4: " (unexpected interrupt)"}.get(ended, "")
-            raise TinydeployError(f"{e}" + (f"; QEMU exited with code {ended}{why}" if ended is not None else "")
-                                  + (f"; QEMU said: {printable(qemu, 200)}" if qemu else "")) from None
-        code = emu.wait(10)
-        if code not in (0, None):
-            raise TinydeployError(f"the firmware ended with exit code {code}")
-    if counts.count_unit == "instructions":
-        if counts.count_min != counts.count_max:
-            raise TinydeployError(f"instruction counts differ between runs ({counts.count_min} to {counts.count_max}); "
-                                  "is QEMU running with -icount shift=0?")
-        instructions = counts.count_min
-    else:
-        instructions = int(round(counts.ticks_total / counts.runs * instructions_per_tick(fw.machine, counts.tick_hz)))
-    details = {"ticks_per_inference": counts.ticks_per_run, "tick_hz": counts.tick_hz, "runs": counts.runs,
-               "stack_used_bytes": stack_used, "log": dev.log}
-    return outs, instructions, details
-
+# ---- building and running under QEMU -----------------------------------------------------
 
 def run_on_emulator(c: Compiled, board_id, inputs: list[np.ndarray], out_specs,
                     outdir=None, runs: int = 1, warmup: int = 0) -> tuple[list[np.ndarray], int, dict]:
@@ -334,11 +273,12 @@ def run_on_emulator(c: Compiled, board_id, inputs: list[np.ndarray], out_specs,
     The instruction count is exact and repeatable (QEMU -icount shift=0). The memory report is
     against `board_id`'s own flash and RAM, with the measured stack high-water mark and, for a
     real board, the latency its clock would give at one instruction per cycle (a lower bound)."""
+    from tinydeploy.runners.mcu import run_under_qemu
     board = mcu_board(board_id)
     emulate = not board.is_qemu_machine
     with tempfile.TemporaryDirectory(prefix="tinydeploy-fw-") as tmp:
         fw = build_firmware(c, board_id, outdir or tmp, emulate=emulate, force=outdir is None)
-        outs, instructions, details = run_firmware(fw, inputs, out_specs, runs=runs, warmup=warmup)
+        outs, instructions, details = run_under_qemu(fw, inputs, out_specs, runs=runs, warmup=warmup)
     mem = dict(fw.memory)
     mem["stack_used_bytes"] = details["stack_used_bytes"]
     if emulate and board.clock_hz:

@@ -1,5 +1,6 @@
 """Energy per inference on Jetson boards, from the INA3221 power monitors the kernel exposes in
-sysfs (`tinydeploy measure --board jetson-orin --energy MODEL`, run on the board).
+sysfs (`tinydeploy measure --board jetson-orin --energy MODEL`, run on the board): EnergyRunner wraps
+the runner of the board's binary (tinydeploy.runners.select_runner) while flow.measure times it.
 
 The board manifest names the rails to sum (`power_monitor.rails`, e.g. Orin: VDD_CPU_CV and
 VDDQ_VDD2_1V8AO) and where their channels live (`power_monitor.sysfs`): JetPack 5/6 use the
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.runners.base import Runner
 
 SAMPLE_HZ = 10.0
 MIN_WINDOW_S = 2.0        # default length of the measured window: 20 samples at 10 Hz
@@ -135,25 +137,30 @@ class PowerSampler:
         return self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
 
 
-class EnergyExecutor:
-    """Wraps a flow.run executor: every timed call (runs > 0) runs inside a PowerSampler; the
-    last one is reported. With min_window_s, a timed call shorter than that is repeated with
-    enough runs to fill it (the monitor's 10 Hz needs seconds, not milliseconds)."""
+class EnergyRunner(Runner):
+    """Wraps a runner of a Linux board's harness: every timed run (runs > 0) runs inside a
+    PowerSampler; the last one is reported. With min_window_s, a timed run shorter than that is
+    repeated with enough runs to fill it (the monitor's 10 Hz needs seconds, not milliseconds)."""
 
     def __init__(self, inner, rails: list[Rail], interval: float = 1.0 / SAMPLE_HZ, min_window_s: float = 0.0):
+        super().__init__()
         self.inner, self.rails, self.interval, self.min_window_s = inner, rails, interval, min_window_s
+        self.where, self.emulated = inner.where, inner.emulated
         self.sampler, self.median_ms, self.runs = None, None, 0
 
-    def __call__(self, exe, feeds, out_specs, runs: int = 0):
+    def run(self, exe, feeds, out_specs, runs: int = 0):
         if not runs:
-            return self.inner(exe, feeds, out_specs, runs=0)
+            return self.inner.run(exe, feeds, out_specs, runs=0)
         while True:
             with PowerSampler(self.rails, self.interval) as s:
-                outs, ms = self.inner(exe, feeds, out_specs, runs=runs)
+                outs, ms = self.inner.run(exe, feeds, out_specs, runs=runs)
             self.sampler, self.median_ms, self.runs = s, ms, runs
             if not ms or s.seconds >= self.min_window_s or runs >= MAX_RUNS:
                 return outs, ms
             runs = min(MAX_RUNS, max(2 * runs, int(self.min_window_s * 1.2 / (ms / 1000.0))))
+
+    def close(self) -> None:
+        self.inner.close()
 
     def report(self) -> dict:
         s = self.sampler
@@ -167,37 +174,3 @@ class EnergyExecutor:
                 "sample_hz": 1.0 / self.interval, "runs": self.runs,
                 "rails": {r.name: [str(r.voltage_mv), str(r.current_ma)] for r in self.rails},
                 "method": "mean power of the rails over the timed runs (trapezoid) x median latency"}
-
-
-def local_executor(board: dict, emulate: bool):
-    """flow.run's executor for a Linux board's binary on this machine: natively when this machine
-    is that kind of board, else under qemu-aarch64 with --emulate."""
-    import functools
-    from tinydeploy import flow
-    from tinydeploy.targets import this_machine
-    if emulate:
-        return functools.partial(flow.execute, prefix=flow.runner_prefix(board, True))
-    here = this_machine()
-    if board.make_target().machine != here:
-        raise TinydeployError(f"this machine is {here}, not a {board.id}: run `tinydeploy measure` on the board "
-                              f"itself, add --emulate to run the build under QEMU here, or use `tinydeploy deploy "
-                              f"--board {board.id} --ssh user@host`")
-    return functools.partial(flow.execute, prefix=[])
-
-
-def measure_local(model, board_id: str, energy: bool = False, sysfs_root="/", emulate: bool = False,
-                  runs: int | None = None, seconds: float = 1.0, **run_args) -> dict:
-    """`tinydeploy measure` for a Linux board on this machine: flow.run with timing, and with
-    --energy the board's power rails sampled during the timed runs ("energy" in the report; the
-    window is at least MIN_WINDOW_S unless `runs` is given)."""
-    from tinydeploy import flow
-    from tinydeploy.targets import boards
-    board = boards.get_board(board_id)
-    rails = find_rails(board, sysfs_root) if energy else None
-    inner = local_executor(board, emulate)
-    ex = EnergyExecutor(inner, rails, min_window_s=0.0 if runs else MIN_WINDOW_S) if energy else inner
-    res = flow.run(model, board, emulate=emulate, executor=ex, runs=runs, seconds=seconds, **run_args)
-    if energy:
-        res["energy"] = ex.report()
-        res["latency"]["runs"] = ex.runs      # the window may have been lengthened
-    return res

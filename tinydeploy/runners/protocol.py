@@ -35,6 +35,16 @@ class Counts:
     def ticks_per_run(self) -> float:
         return self.ticks_total / self.runs if self.runs else 0.0
 
+    @property
+    def ms_per_run(self) -> float:
+        """Latency per inference by the port's timer."""
+        return self.ticks_per_run / self.tick_hz * 1000.0
+
+    @property
+    def instructions(self) -> int | None:
+        """Instructions per inference when the device counts them (exact under QEMU -icount)."""
+        return self.count_min if self.count_unit == "instructions" else None
+
 
 class Device:
     """One board (or emulator) speaking the protocol.

@@ -1,8 +1,7 @@
 """Running firmware under QEMU (qemu-system-arm), with its serial port on a loopback TCP port.
 
     with Emulator(elf, board) as emu:          # board: a qemu-system board manifest (mps2-an386)
-        dev = emu.device()                     # tinydeploy.runners.protocol.Device on socket://127.0.0.1:PORT
-        dev.wait_boot()
+        dev = emu.boot()                       # a booted tinydeploy.runners.protocol.Device on socket://127.0.0.1:PORT
 
 QEMU runs with -icount shift=0: every instruction takes 1 ns of virtual time, so the board's
 timers count instructions exactly and counts repeat run to run. QEMU is always stopped on the
@@ -177,6 +176,34 @@ class Emulator:
                     raise
                 time.sleep(0.05)
 
+    def boot(self, timeout: float = 10.0, boot_timeout: float | None = None):
+        """Starts QEMU (unless running), connects and waits for the firmware to answer: the
+        protocol Device. On failure QEMU keeps running for output() and explain(); close() it."""
+        if self.proc is None:
+            self.start()
+        dev = self.device(timeout=timeout)
+        dev.wait_boot(timeout=self.boot_timeout if boot_timeout is None else boot_timeout)
+        return dev
+
+    def messages(self) -> str:
+        """What QEMU printed, less the lines it always prints."""
+        noise = ("QEMU waiting for connection", "has no peer")
+        return "\n".join(ln for ln in self.output().splitlines() if ln.strip() and not any(n in ln for n in noise))
+
+    def explain(self, e: TinydeployError) -> TinydeployError:
+        """`e` (a device error) with how QEMU ended and what it said."""
+        said = self.messages().strip()
+        ended = self.wait(0.5)
+        why = {3: " (the firmware crashed: hard fault)", 4: " (unexpected interrupt)"}.get(ended, "")
+        return TinydeployError(f"{e}" + (f"; QEMU exited with code {ended}{why}" if ended is not None else "")
+                               + (f"; QEMU said: {printable(said, 200)}" if said else ""))
+
+    def kill(self) -> None:
+        """SIGKILLs QEMU as a crash would (the rig's fault tests)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
     def wait(self, timeout: float) -> int | None:
         """Waits for QEMU to exit by itself (the firmware's port_exit); its exit code or None."""
         if self.proc is None:
@@ -217,3 +244,23 @@ class Emulator:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def kill_left_behind() -> list[int]:
+    """Stops every Emulator still registered and SIGKILLs any QEMU child left; returns the pids
+    that were still running."""
+    left = sorted(set(qemu_processes()))
+    _stop_all()
+    for pid in qemu_processes():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    return left

@@ -11,7 +11,9 @@ ssh is never interactive here (BatchMode: no password or passphrase prompts; new
 accepted once and a changed one is refused), and every remote command is built from an argv list
 quoted with shlex.quote, so no model- or user-supplied string reaches the remote shell unquoted.
 Connection problems (refused, unknown host, authentication, time-outs) raise one-line
-TinydeployErrors that say what to do next. `tinydeploy deploy` and `tinydeploy tune --ssh` use it.
+TinydeployErrors that say what to do next. SshRunner runs a harness binary on the board through
+it (`tinydeploy deploy`, `tinydeploy tune --ssh`), after check_board has asked the board whether
+the build runs there.
 """
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.runners.harness import HarnessRunner, failure
 
 CONNECT_TIMEOUT_S = 10
 # user@host: a POSIX-ish user name and a host name, IPv4 address or bracketed IPv6 address; no
@@ -138,13 +142,6 @@ class Remote:
                 import sys
                 print(f"[tinydeploy] could not remove {made} on {self.target}; remove it by hand", file=sys.stderr)
 
-    def machine(self) -> str:
-        """`uname -m` of the board (aarch64, x86_64, ...)."""
-        r = self.run(["uname", "-m"], timeout=30)
-        if r.returncode != 0:
-            raise TinydeployError(f"`uname -m` failed on {self.target}: {_last_line(r.stderr)}")
-        return r.stdout.decode(errors="replace").strip()
-
     # ---- internals ------------------------------------------------------------------------
     def _ssh_dest(self) -> str:
         return self.dest.replace("[", "").replace("]", "")
@@ -186,6 +183,97 @@ class Remote:
             return (f"{what} failed: the board's sshd closed the connection (scp needs its sftp subsystem: "
                     "`Subsystem sftp ...` in the board's sshd_config)")
         return f"{what} on {self.target} failed: {_last_line(stderr.encode())}"
+
+
+class SshRunner(HarnessRunner):
+    """The harness binary on a Linux board over ssh, in a folder there: a fresh temporary one
+    that close() removes, or `remote_dir` (created if needed, kept). Each binary is copied once
+    (under a new name when another of its name is already there), the inputs when they change;
+    the outputs are copied back."""
+
+    def __init__(self, remote: Remote, remote_dir: str | None = None, timeout: float = 3600):
+        super().__init__()
+        self.remote, self.remote_dir, self.timeout = remote, remote_dir, timeout
+        self.where = f"on {remote.target}"
+        self.dir: str | None = None
+        self._stack = contextlib.ExitStack()
+        self._sent: dict[str, str] = {}       # local binary -> its path on the board
+        self._inputs: bytes | None = None
+        self._local: Path | None = None
+
+    def open(self) -> str:
+        """The folder on the board (made on first use)."""
+        if self.dir is None:
+            self._local = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="tinydeploy-ssh-")))
+            self.dir = self._stack.enter_context(self.remote.tempdir(self.remote_dir))
+        return self.dir
+
+    def __enter__(self) -> "SshRunner":
+        self.open()
+        return self
+
+    def harness(self, exe, data: bytes, runs: int) -> tuple[bytes, str]:
+        d = self.open()
+        exe = Path(exe)
+        key = str(exe.resolve())
+        if key not in self._sent:
+            src = exe
+            if any(Path(r).name == exe.name for r in self._sent.values()):
+                src = self._local / f"c{len(self._sent)}_{exe.name}"
+                shutil.copy2(exe, src)
+            self._sent[key] = self.remote.put(src, d)
+        if data != self._inputs:
+            fin = self._local / "in.bin"
+            fin.write_bytes(data)
+            self.remote.put(fin, d)
+            self._inputs = data
+        r = self.remote.run([self._sent[key], f"{d}/in.bin", f"{d}/out.bin", str(runs)], timeout=self.timeout)
+        if r.returncode != 0:
+            hint = " (the folder may be mounted noexec: try --remote-dir in your home)" if r.returncode in (126, 127) else ""
+            raise failure(f"the model binary failed on {self.remote.target}", r.returncode,
+                          r.stderr.decode(errors="replace"), hint)
+        raw = Path(self.remote.get(f"{d}/out.bin", self._local / "out.bin")).read_bytes()
+        return raw, r.stdout.decode(errors="replace")
+
+    def close(self) -> None:
+        self._stack.close()
+        self.dir = None
+        self._sent.clear()
+        self._inputs = None
+
+
+def expected_machine(board) -> str:
+    """`uname -m` a board's binaries need (its target says: aarch64 for the Cortex-A targets, this
+    machine's for the host target)."""
+    machine = board.make_target().machine
+    if machine is None:
+        raise TinydeployError(f"board {board.id} (target {board.target}) is not a Linux board to deploy to")
+    return machine
+
+
+def check_board(remote: Remote, board) -> str:
+    """Refuse a board whose architecture (or, for the host target, CPU features) the build would
+    not run on; returns its `uname -m`."""
+    from tinydeploy.targets import FEATURES, boards, machine_name
+    r = remote.run(["sh", "-c", "uname -m; grep -m1 -E '^(flags|Features)' /proc/cpuinfo || true"], timeout=30)
+    lines = r.stdout.decode(errors="replace").splitlines()
+    if r.returncode != 0 or not lines:
+        raise TinydeployError(f"could not ask {remote.target} for its architecture (`uname -m` failed); is it a "
+                              "Linux machine?")
+    machine = machine_name(lines[0].strip())
+    want = expected_machine(board)
+    if machine != want:
+        fits = [b.id for b in boards.load_all().values() if b.is_linux and b.make_target().machine == machine]
+        hint = ", ".join(fits) or "none of the known boards"
+        raise TinydeployError(f"{remote.target} is {printable(machine, 40)} but board {board.id} builds for {want}; "
+                              f"pick the board that matches it (--board {hint})")
+    if board.runs_here and len(lines) > 1:
+        have = set(lines[1].split(":", 1)[-1].split())
+        missing = sorted(f for f in board.make_target().needed_features() if FEATURES[f] not in have)
+        if missing:
+            raise TinydeployError(f"{remote.target} lacks the CPU features {', '.join(missing)} this machine's host "
+                                  "build uses; build on a machine like the board (or on the board itself)")
+    return machine
 
 
 def _tool(name: str) -> str:

@@ -12,9 +12,9 @@ machine measures the neighbours. Every candidate's outputs are checked against o
 first; then all are timed, and the fastest few and the cost model's choice timed again (the
 better of the two medians counts, so a burst of load on the machine does not pick the winner).
 
-Where it measures: the host natively; a Linux board over ssh (--ssh user@host, tinydeploy.remote:
-the static binary is copied over and run there). User-mode QEMU says nothing about speed, and
-Cortex-M boards have nothing to choose between (their fp32 layers keep the reference kernels,
+Where it measures (tinydeploy.runners.select_runner): the host natively; a Linux board over ssh
+(--ssh user@host, runners.ssh.SshRunner: each candidate's binary is copied over once and run
+there). User-mode QEMU says nothing about speed, and Cortex-M boards have nothing to choose between (their fp32 layers keep the reference kernels,
 their int8 convolutions have one kernel each), so both are refused.
 
 The database is rewritten atomically after every layer (temporary file + os.replace): an
@@ -35,12 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tinydeploy import flow, reference
+from tinydeploy import flow, reference, runners
 from tinydeploy.targets import boards
 from tinydeploy import schedule
 from tinydeploy.schedule import tuning
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.runners.harness import time_runs
 
 HOPELESS = 4.0          # algorithms estimated slower than this times the best are not measured
 TILES_PER_ALGO = 3
@@ -51,7 +52,6 @@ RETIME = 3              # the fastest RETIME candidates (and the cost model's) a
 # says little about the layer inside its model (measured: MLPerf AD's sub-microsecond layers).
 MARGIN = 0.05
 MIN_GAIN_US = 0.3
-MAX_RUNS = 1000
 
 
 # ---- the layers of the models ----------------------------------------------------------------
@@ -210,67 +210,6 @@ def _build_candidate(model: str, board: str, outdir: str, choice: dict) -> tuple
     return str(b.exe), desc, resolved
 
 
-# ---- where candidates run ---------------------------------------------------------------------
-
-class LocalRunner:
-    """Runs a harness binary here."""
-    where = "natively"
-
-    def __call__(self, exe: Path, feeds, out_specs, runs: int):
-        return flow.execute(exe, feeds, out_specs, runs=runs)
-
-    def close(self) -> None:
-        pass
-
-
-class SshRunner:
-    """Runs a harness binary on a Linux board over ssh (tinydeploy.remote), in a temporary folder
-    there that is removed at the end."""
-
-    def __init__(self, target: str, port: int | None, identity: str | None):
-        from tinydeploy.runners.ssh import Remote
-        self.remote = Remote(target, port, identity)
-        self.where = f"on {self.remote.target}"
-        self._dir_cm = self.remote.tempdir()
-        self.dir = self._dir_cm.__enter__()
-        self._sent: dict[str, str] = {}
-        self._local = Path(tempfile.mkdtemp(prefix="tinydeploy-ssh-"))
-
-    def __call__(self, exe: Path, feeds, out_specs, runs: int):
-        exe = Path(exe)
-        if str(exe) not in self._sent:
-            staged = self._local / f"c{len(self._sent)}_model_run"
-            shutil.copy2(exe, staged)
-            self._sent[str(exe)] = self.remote.put(staged, self.dir)
-        fin = self._local / "in.bin"
-        fin.write_bytes(b"".join(np.ascontiguousarray(a).tobytes() for a in feeds))
-        rin = self.remote.put(fin, self.dir)
-        rout = f"{self.dir}/out.bin"
-        r = self.remote.run([self._sent[str(exe)], rin, rout, str(runs)], timeout=600)
-        if r.returncode != 0:
-            raise TinydeployError(f"the model binary failed on {self.remote.target} (exit {r.returncode})")
-        raw = self.remote.get(rout, self._local / "out.bin").read_bytes()
-        outs, pos = [], 0
-        for shape, dt in out_specs:
-            n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-            outs.append(np.frombuffer(raw[pos:pos + n], dtype=dt).reshape(shape).copy())
-            pos += n
-        m = re.search(r"latency_us_median ([0-9.]+)", r.stdout.decode(errors="replace"))
-        return outs, (float(m.group(1)) / 1000.0 if m else None)
-
-    def close(self) -> None:
-        self._dir_cm.__exit__(None, None, None)
-        shutil.rmtree(self._local, ignore_errors=True)
-
-
-def _time(runner, exe: Path, feeds, out_specs, seconds: float) -> float:
-    """Median latency in us over as many runs as fit in about `seconds` (3 to MAX_RUNS)."""
-    _, ms = runner(exe, feeds, out_specs, 3)
-    runs = int(min(MAX_RUNS, max(3, seconds / max(ms / 1000.0, 1e-7))))
-    _, ms = runner(exe, feeds, out_specs, runs)
-    return ms * 1000.0
-
-
 # ---- the database file -------------------------------------------------------------------------
 
 def _cpu_name() -> str:
@@ -358,7 +297,11 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
             "(--no-resume measures them again)")
     if not todo:
         return db
-    runner = SshRunner(ssh, port, identity) if ssh else LocalRunner()
+    remote = None
+    if ssh:
+        from tinydeploy.runners.ssh import Remote
+        remote = Remote(ssh, port, identity)
+    runner = runners.select_runner(board, remote=remote, timeout=600)
     work = Path(tempfile.mkdtemp(prefix="tinydeploy-tune-"))
     jobs = max(1, jobs or os.cpu_count() or 1)
     t_start = time.perf_counter()
@@ -422,7 +365,7 @@ def _tune_layer(sig: str, kern, target, isa: str, board_id: str, runner, pool, w
     ok = []
     for c in built:
         try:
-            got, _ = runner(c["exe"], [feeds["x"]], out_specs, 0)
+            got, _ = runner.run(c["exe"], [feeds["x"]], out_specs)
             why = None if reference.compare(got, want, flow.FP32_RTOL)["outputs_match"] else "gave wrong results"
         except TinydeployError as e:
             why = f"failed to run ({printable(str(e), 120)})"
@@ -433,11 +376,13 @@ def _tune_layer(sig: str, kern, target, isa: str, board_id: str, runner, pool, w
             ok.append(c)
     if not ok:
         return None
+    def time_us(c) -> float:
+        return time_runs(runner, c["exe"], [feeds["x"]], out_specs, seconds, probe=3)[0] * 1000.0
     for c in ok:
-        c["us"] = _time(runner, c["exe"], [feeds["x"]], out_specs, seconds)
+        c["us"] = time_us(c)
     ranked = sorted(ok, key=lambda c: c["us"])
     for c in [c for c in ok if c in ranked[:RETIME] or c["base"]]:
-        c["us"] = min(c["us"], _time(runner, c["exe"], [feeds["x"]], out_specs, seconds))
+        c["us"] = min(c["us"], time_us(c))
     best = min(ok, key=lambda c: c["us"])
     base = next((c for c in ok if c["base"]), None)
     if base is not None and base["us"] - best["us"] <= max(MARGIN * base["us"], MIN_GAIN_US):

@@ -10,10 +10,10 @@ from tinydeploy.errors import TinydeployError
 from tinydeploy.targets.aarch64 import CPUS as _A64, aarch64
 from tinydeploy.targets.base import WARNINGS, Target
 from tinydeploy.targets.cortex_m import CPUS as _CM, cortex_m
-from tinydeploy.targets.host import FEATURES, cpu_features, has_vnni, host, this_machine
+from tinydeploy.targets.host import FEATURES, cpu_features, has_vnni, host, machine_name, this_machine
 
 __all__ = ["FEATURES", "TARGETS", "WARNINGS", "Target", "cpu_features", "get_target", "has_vnni", "host",
-           "this_machine"]
+           "machine_name", "this_machine"]
 
 TARGETS = {"host": host}
 for _cpu in _CM:

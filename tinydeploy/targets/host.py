@@ -59,10 +59,14 @@ def _cache_bytes(level: int, default: int) -> int:
     return default
 
 
+def machine_name(uname: str) -> str:
+    """A `uname -m` answer with the aliases some systems use folded (arm64, amd64)."""
+    return {"arm64": "aarch64", "amd64": "x86_64", "AMD64": "x86_64"}.get(uname, uname)
+
+
 def this_machine() -> str:
-    """This machine's `uname -m`, with the aliases some systems use folded (arm64, amd64)."""
-    m = platform.machine()
-    return {"arm64": "aarch64", "amd64": "x86_64", "AMD64": "x86_64"}.get(m, m)
+    """This machine's `uname -m` (machine_name)."""
+    return machine_name(platform.machine())
 
 
 def host() -> Target:
