@@ -3,8 +3,6 @@ board, run it against onnxruntime, benchmark it."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import re
 import sys
 from dataclasses import dataclass
