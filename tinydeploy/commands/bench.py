@@ -152,3 +152,27 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
     print("us = median per layer with timing hooks (-DTD_PROFILE); share = of the layers' sum; GFLOP/s = 2 x MACs / time",
           file=sys.stderr)
     return results
+
+
+def add_parser(sub) -> None:
+    from tinydeploy.commands.common import max_weights, threads
+    p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
+    p.add_argument("models", nargs="+")
+    p.add_argument("--board", default="host")
+    p.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement (default 1 s)")
+    p.add_argument("--json", action="store_true")
+    threads(p)
+    p.add_argument("--layers", action="store_true", help="per layer: algorithm, MACs, median us, GFLOP/s, share "
+                   "of the time (a build with -DTD_PROFILE)")
+    p.add_argument("--emulate", action="store_true", help="with --layers: run an SBC board's build under "
+                   "qemu-aarch64 (times labelled emulated)")
+    max_weights(p)
+
+
+def main(args, ctx) -> int:
+    if args.layers:
+        bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads,
+                     ctx.max_weights_bytes)
+    else:
+        bench(args.models, args.board, args.seconds, args.json, args.threads, ctx.max_weights_bytes)
+    return 0

@@ -44,3 +44,30 @@ def deploy(model, board_id: str, ssh: str, port: int | None = None, identity: st
                        max_weights_bytes=max_weights_bytes)
     res["remote"] = {"target": remote.target, "machine": machine, "dir": d, "dir_removed": remote_dir is None}
     return res
+
+
+def add_parser(sub) -> None:
+    from tinydeploy.commands.common import inputs, json_option, model_options, threads
+    p = sub.add_parser("deploy", help="cross-build, run on a Linux board over ssh, compare with onnxruntime")
+    model_options(p)
+    p.add_argument("--ssh", required=True, metavar="USER@HOST[:PORT]", help="the board (system ssh/scp, no prompts)")
+    p.add_argument("--port", type=int, help="ssh port (default 22, or the one in --ssh)")
+    p.add_argument("--identity", metavar="KEY", help="private key to log in with (ssh -i)")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra ssh -o option, e.g. UserKnownHostsFile=FILE (repeatable)")
+    p.add_argument("--remote-dir", help="folder on the board to run in, kept afterwards (default: a fresh "
+                   "mktemp -d, removed afterwards)")
+    p.add_argument("--runs", type=int, help="inferences to time (default: as many as fit in about 1 s)")
+    threads(p)
+    inputs(p)
+    json_option(p)
+
+
+def main(args, ctx) -> int:
+    import json
+    from tinydeploy.commands.common import print_run
+    res = deploy(args.model, args.board, args.ssh, args.port, args.identity, args.remote_dir, args.runs,
+                 args.inputs, args.seed, ctx.shapes, args.outdir, args.force, ctx.command, quiet=args.json,
+                 ssh_options=args.ssh_option, threads=args.threads, max_weights_bytes=ctx.max_weights_bytes)
+    print(json.dumps(res)) if args.json else print_run(res)
+    return 0 if res["outputs_match"] else 1

@@ -55,3 +55,16 @@ def inspect_model(path, input_shapes=None, max_weights_bytes=None) -> str:
     else:
         lines.append("all operators are supported")
     return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    from tinydeploy.commands.common import max_weights
+    p = sub.add_parser("inspect", help="operator table, shapes, MACs, parameters, unsupported operators")
+    p.add_argument("model")
+    p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224")
+    max_weights(p)
+
+
+def main(args, ctx) -> int:
+    print(inspect_model(args.model, ctx.shapes, ctx.max_weights_bytes))
+    return 0

@@ -1,0 +1,99 @@
+"""What the verbs share: their common options, the context main() hands them, and the printed
+forms of build summaries and run reports. Every verb is one module in tinydeploy/commands with
+`add_parser(sub)` (its options) and `main(args, ctx) -> exit code`."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from tinydeploy.codegen.cfmt import printable  # model file names reach the terminal only through it
+
+
+@dataclass
+class Context:
+    command: str                 # the command line, for the generated files' headers
+    shapes: dict                 # --input-shape, parsed
+    max_weights_bytes: int | None
+
+
+def model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="ONNX model file")
+    p.add_argument("--board", default="host", help="board id (see `tinydeploy boards`; default host)")
+    p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224",
+                   help="pin an input's shape (repeatable); a symbolic batch dimension defaults to 1")
+    p.add_argument("-o", "--outdir", help="output folder (default build/<model>-<board>)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty folder tinydeploy did not create")
+    max_weights(p)
+
+
+def max_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-weights-bytes", metavar="SIZE",
+                   help="the most bytes of constants a model may make (its weights and what constant folding "
+                   "computes), e.g. 2G or 512M (default: $TINYDEPLOY_MAX_WEIGHTS_BYTES, else this machine's "
+                   "available memory / the build's memory per weight byte)")
+
+
+def threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="Linux boards: run each layer on up to N OpenMP threads (default 1)")
+
+
+def inputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--inputs", help=".npz (arrays named like the model inputs) or .npy (single input)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+
+
+def json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def print_run(res: dict) -> None:
+    print(f"{printable(res['model'])} on {res['board']}: outputs {'match' if res['outputs_match'] else 'DIFFER'} "
+          f"(max abs error {res['max_abs_error']:.3g}, max rel error {res['max_rel_error']:.3g}, "
+          f"tolerance {res['tolerance']}{' ' + res['tolerance_unit'] if res.get('tolerance_unit') else ''})")
+    if res.get("exact_reference"):
+        ex = res["exact_reference"]
+        print("  8-bit: " + ("bit for bit with tinydeploy's exact reference" if ex["identical"] else
+                             f"DIFFERS from tinydeploy's exact reference by {ex['max_lsb']} LSB (a tinydeploy bug: "
+                             "please report it)"))
+    if res.get("note"):
+        print(f"  note: {printable(res['note'], 400)}")
+    if res.get("onnxruntime_fast") and res["onnxruntime_fast"]["max_lsb"]:
+        f = res["onnxruntime_fast"]
+        print(f"  onnxruntime's fast session: {f['max_lsb']:g} LSB off ({printable(f['note'], 300)})")
+    lat, mem = res["latency"], res["memory"]
+    if lat.get("instructions") is not None:
+        print(f"latency {lat['instructions']:,} instructions per inference (exact, QEMU -icount)"
+              + (f", >= {lat['median_ms']:.2f} ms at the board's clock" if lat.get("median_ms") else ""))
+    elif lat.get("median_ms") is not None:
+        print(f"latency {lat['median_ms']:.4f} ms median of {lat['runs']} runs")
+    elif res.get("emulated"):
+        print("latency not measured: emulated run (user-mode QEMU says nothing about speed)")
+    print(f"memory: arena {mem['arena_bytes']:,} B (lower bound {mem['lower_bound_bytes']:,} B), "
+          f"weights {mem['weights_bytes']:,} B")
+    if "flash_bytes" in mem:
+        print(f"firmware: flash {mem['flash_bytes']:,} of {mem['flash_limit_bytes']:,} B, RAM {mem['ram_bytes']:,} "
+              f"of {mem['ram_limit_bytes']:,} B, stack used {mem['stack_used_bytes']:,} B")
+    if res.get("energy"):
+        e = res["energy"]
+        rails = ", ".join(f"{printable(k)} {v:.3f} W" for k, v in e["mean_power_w"].items())
+        print(f"energy: {e['joules_per_inference'] * 1000:.4g} mJ per inference ({e['inferences_per_joule']:.4g} "
+              f"inferences/J); mean power {e['total_mean_power_w']:.3f} W ({rails}) over {e['window_s']:.2f} s, "
+              f"{e['samples']} samples")
+    if res.get("remote"):
+        r = res["remote"]
+        print(f"ran on {r['target']} ({r['machine']}) in {r['dir']}"
+              + (" (removed afterwards)" if r["dir_removed"] else ""))
+
+
+def print_summary(s: dict) -> None:
+    print(f"{printable(s['model'])} -> {printable(s['outdir'])} ({s['board']})")
+    print(f"  layers {s['layers']}, MACs {s['macs']:,}, weights {s['weights_bytes']:,} B")
+    print(f"  arena {s['arena_bytes']:,} B (lower bound {s['lower_bound_bytes']:,} B)")
+    for n in s["notes"]:
+        print(f"  note: {n}")
+    fw = s.get("firmware")
+    if fw:
+        print(f"  firmware {s['elf']}: flash {fw['flash_used_bytes']:,} of {fw['flash_bytes']:,} B, "
+              f"RAM {fw['ram_used_bytes']:,} of {fw['ram_bytes']:,} B (stack reserve {fw['stack_reserved_bytes']:,} B)")
+    print(f"  files: {', '.join(s['files'])}")
