@@ -166,7 +166,7 @@ def write_project(outdir, files: dict[str, str], board_id: str, emulate: bool = 
         if not p.is_file() or p.read_text() != text:     # keep make's timestamps when unchanged
             p.write_text(text)
     marker.write_text(json.dumps({"tool": "tinydeploy", "version": __version__, "kind": "firmware",
-                                  "board": board_id, "emulate": emulate, "files": sorted(proj)}, indent=1) + "\n")
+                                  "board": mcu_board(board_id).id, "emulate": emulate, "files": sorted(proj)}, indent=1) + "\n")
     return outdir
 
 
