@@ -23,7 +23,7 @@ RNG_SEED = 1234
 
 
 def _cpu_flags() -> set[str]:
-    return targets._cpu_flags()
+    return {name for name, present in targets.cpu_features().items() if present}
 
 
 def host_isas() -> list[str]:

@@ -116,7 +116,7 @@ def test_project_builds_with_make_alone_for_both_boards(kws, tmp_path):
         elf = out / "build" / "firmware.elf"
         assert (out / "build" / "firmware.bin").is_file() and (out / "build" / "firmware.hex").is_file()
         entry = next(s for s in firmware.sections(elf, boards.get_board(board)) if s["name"] == ".isr_vector")
-        assert entry["vma"] == boards.get_board(board)["flash_origin"]
+        assert entry["vma"] == boards.get_board(board).flash_origin
         syms = subprocess.run(["arm-none-eabi-nm", str(elf)], capture_output=True, text=True).stdout
         assert not re.search(r"\b(malloc|_malloc_r|_sbrk)\b", syms), "the firmware must not use the heap"
     nano = tmp_path / "nano33ble"

@@ -55,7 +55,7 @@ def small_model():
 @pytest.fixture
 def model(tmp_path, monkeypatch):
     # every layer of the small model is worth threading (the real threshold keeps tiny layers serial)
-    monkeypatch.setattr(select, "MIN_THREAD_MACS", 64)
+    monkeypatch.setattr(schedule, "MIN_THREAD_MACS", 64)
     return save(small_model(), tmp_path)
 
 
@@ -119,7 +119,7 @@ def test_per_thread_scratch_and_threshold(model, monkeypatch):
             assert k3.params["WST"] >= k3.params["KC"] * k3.params["NC"] and k3.params["NC"] <= k1.params["NC"]
         assert f"threads {t}]" in k3.desc
     assert three.plan.arena_bytes >= one.plan.arena_bytes
-    monkeypatch.setattr(select, "MIN_THREAD_MACS", 10 ** 9)      # nothing is worth a thread
+    monkeypatch.setattr(schedule, "MIN_THREAD_MACS", 10 ** 9)      # nothing is worth a thread
     assert compile_model(model, get_target("host"), threads=3).files["td_kernels.c"] == one.files["td_kernels.c"]
 
 
