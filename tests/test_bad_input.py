@@ -361,7 +361,8 @@ def _assert_no_injection(texts: dict[str, str], hostile: list[str]) -> None:
                 assert "/*" in ln or ln.lstrip().startswith("*"), f"{fname}: {ln[:80]!r}"
             s = ln.lstrip()
             if s.startswith("#include"):
-                assert s in ('#include "model.h"', '#include "td_kernels.h"', '#include "td_weights.h"') or \
+                assert s in ('#include "model.h"', '#include "td_kernels.h"', '#include "td_runtime.h"',
+                             '#include "td_weights.h"') or \
                     re.fullmatch(r"#include <[a-z]+\.h>", s), f"{fname}: {s!r}"
         # every comment opener is closed on its own terms: comments never nest or leak
         stripped = re.sub(r"/\*.*?\*/", "", text, flags=re.S)

@@ -49,6 +49,76 @@ def c_float(v: float) -> str:
     return s + "f"
 
 
+def c_add(expr: str, k: int) -> str:
+    """`expr + k` with the constant folded into the operator: `x - 128` for k = -128 (never
+    `x + -128`), plain `x` for k = 0."""
+    k = int(k)
+    return expr if k == 0 else f"{expr} + {k}" if k > 0 else f"{expr} - {-k}"
+
+
+def c_plus(k: int) -> str:
+    """The term ` + k` appended to an expression, folded the same way: ` - 128`, or nothing."""
+    return c_add("", k)
+
+
+def c_plusf(k: int) -> str:
+    """` + k` for an integer-valued float constant: ` - 128.0f`, or nothing."""
+    k = int(k)
+    return "" if k == 0 else f" + {k}.0f" if k > 0 else f" - {-k}.0f"
+
+
+def c_mul(expr: str, k: int) -> str:
+    """`expr * k`, plain `expr` for k = 1."""
+    return expr if int(k) == 1 else f"{expr} * {int(k)}"
+
+
+def c_div(expr: str, d: int) -> str:
+    """`expr / d`, plain `expr` for d = 1."""
+    return expr if int(d) == 1 else f"{expr} / {int(d)}"
+
+
+def c_ceil_div(expr: str, d: int) -> str:
+    """`(expr + d - 1) / d` (expr >= 0), plain `expr` for d = 1."""
+    d = int(d)
+    return expr if d == 1 else f"({expr} + {d - 1}) / {d}"
+
+
+def c_terms(*terms) -> str:
+    """A sum written without its trivial parts: each term an expression string, an integer
+    (the integers are added up), or a (k, expr) pair for expr * k (expr * 1 is expr, expr * 0
+    nothing). c_terms("cc", (0, "ldc"), 8) is "cc + 8"; all terms vanishing gives "0"."""
+    parts, const = [], 0
+    for t in terms:
+        if isinstance(t, (tuple, list)):
+            k, e = int(t[0]), t[1]
+            if k:
+                parts.append(c_mul(e, k))
+        elif isinstance(t, str):
+            parts.append(t)
+        else:
+            const += int(t)
+    out = " + ".join(parts)
+    if not out:
+        return str(const)
+    return c_add(out, const)
+
+
+def c_strided(base, strides, var: str = "i") -> str:
+    """base + (long)i0 * s0 + (long)i1 * s1 + ... without the zero strides and the `* 1`."""
+    return c_terms(base, *[(s, f"(long){var}{k}") for k, s in enumerate(strides)])
+
+
+def c_hex32(v: int) -> str:
+    """A 32-bit pattern as an unsigned hex literal (its halves and bytes stay readable)."""
+    return "0x%08xu" % (int(v) % (1 << 32))
+
+
+def c_pair16(v: int) -> str:
+    """Two int16 halves both equal to v, as one 32-bit literal (the operand of SXTAB16 / SMLAD)."""
+    h = int(v) % (1 << 16)
+    return c_hex32(h * 0x10001)
+
+
 _C_TYPES = {
     np.dtype(np.float32): "float",
     np.dtype(np.int8): "int8_t",

@@ -1,11 +1,13 @@
 """Assemble the generated C sources from a lowered, planned graph.
 
 Files: model.h (the API), model.c (arena + schedule), td_kernels.c/.h (one specialised function
-per distinct layer), td_weights.c/.h (const arrays). Output depends only on the inputs: no
-timestamps, dict orders follow the schedule, numbers are printed exactly.
+per distinct layer), td_runtime.h (the helpers the kernels share), td_weights.c/.h (const
+arrays). Output depends only on the inputs: no timestamps, dict orders follow the schedule,
+numbers are printed exactly.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +15,7 @@ import numpy as np
 from tinydeploy import __version__, ir
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.codegen.cfmt import c_array_body, c_comment, c_ident, c_string_body, c_type
+from tinydeploy.errors import TinydeployError
 from tinydeploy.ops import Kernel
 from tinydeploy.planner import Plan
 
@@ -44,55 +47,231 @@ def _shape(t: ir.Tensor) -> str:
     return "[" + ",".join(map(str, t.shape)) + "]"
 
 
+def _stem(name: str, limit: int) -> str:
+    """A short identifier fragment of an untrusted name (cfmt.c_ident), cut at a word boundary
+    when one is near the limit."""
+    full = c_ident(name, 4 * limit)
+    if len(full) <= limit:
+        return full
+    cut = full[:limit]
+    if full[limit] != "_" and "_" in cut[limit // 2:]:
+        cut = cut[:cut.rindex("_")]
+    return cut.strip("_") or "x"
+
+
+def _unique(name: str, taken: set[str], suffix: str = "") -> str:
+    """name + suffix, numbered (name_2 + suffix, ...) when taken; records it."""
+    out, n = name + suffix, 1
+    while out in taken:
+        n += 1
+        out = f"{name}_{n}{suffix}"
+    taken.add(out)
+    return out
+
+
+def _param_names(prototype: str) -> list[str]:
+    """The parameter names of a generated kernel's prototype, in order."""
+    inner = prototype[prototype.index("(") + 1:prototype.rindex(")")]
+    return [re.findall(r"\w+", p)[-1] for p in inner.split(",") if p.strip()]
+
+
+# What a constant argument is, from the name the kernel gives its parameter. Kernels over two
+# operands (a, b) take constants as operands; the others name weights, bias and requantisation.
+_ROLES = {"w": "weight", "wp": "weight", "uw": "weight", "b": "bias", "mult": "mult", "shift": "shift",
+          "scale": "scale"}
+
+
+def _role(param: str, params: list[str]) -> str:
+    if "a" in params and "b" in params:
+        return {"a": "lhs", "b": "rhs"}.get(param, c_ident(param))
+    return _ROLES.get(param, c_ident(param))
+
+
+def _role_text(role: str, param: str, t: ir.Tensor, k: Kernel, isa: str) -> str:
+    integer = np.dtype(t.dtype).kind in "iu"
+    if role == "weight":
+        if param == "uw":
+            return "weights, Winograd-transformed (U = G g G^T) and packed at build time for the micro-kernel"
+        if param == "wp" or k.params.get("PACKED"):
+            return f"weights, packed at build time for the {isa} kernel"
+        return "weights"
+    if role == "bias":
+        return "bias, in accumulator units (s_x * s_w)" if integer else "bias"
+    if role == "mult":
+        return "requantisation multipliers m per output channel (r = m * 2^-shift, td_runtime.h)"
+    if role == "shift":
+        return "requantisation shifts per output channel" if integer else "per-channel shift"
+    if role == "scale":
+        return "per-channel scale"
+    if role in ("lhs", "rhs"):
+        return f"constant {'first' if role == 'lhs' else 'second'} operand"
+    return role
+
+
+def _lifetimes(g: ir.Graph) -> dict[str, tuple[int, int]]:
+    """(first, last) schedule step of every runtime tensor: written (graph inputs: 0) to last read
+    (graph outputs: the last step)."""
+    last = max(len(g.nodes) - 1, 0)
+    life = {name: [0, 0] for name in g.inputs}
+    for step, n in enumerate(g.nodes):
+        for i in n.inputs:
+            if i in life:
+                life[i][1] = max(life[i][1], step)
+        for o in n.outputs:
+            if o:
+                life.setdefault(o, [step, step])
+    for name in g.outputs:
+        if name in life:
+            life[name][1] = last
+    return {k: (v[0], v[1]) for k, v in life.items()}
+
+
+def _arena_macros(g: ir.Graph, plan: Plan, used: list[str]) -> tuple[dict[str, str], list[dict]]:
+    """TD_OFF_<tensor> for every arena tensor model.c uses, in order of first use: its offset, or,
+    for a tensor sharing a buffer with an earlier one (a view, a result written in place), that
+    tensor's macro."""
+    owner = {nm: b for b in plan.buffers for nm in b.tensors}
+    life = _lifetimes(g)
+    names, defs, first_of, taken = {}, [], {}, set()
+    for name in used:
+        if name in names:
+            continue
+        t = g.t(name)
+        m = re.fullmatch(r"#scratch(\d+)", name)
+        if m:
+            macro = _unique(f"TD_OFF_scratch_l{m.group(1)}", taken)
+            steps = f"step {m.group(1)} only"
+            what = f"scratch of layer {m.group(1)}, {t.nbytes} B"
+        else:
+            macro = _unique("TD_OFF_" + _stem(name, 32), taken)
+            a, z = life.get(name, (0, 0))
+            steps = f"steps {a}..{z}"
+            what = f"\"{c_comment(name, 60)}\" {np.dtype(t.dtype).name} {_shape(t)}, {t.nbytes} B"
+        names[name] = macro
+        b = owner[name]
+        if b.id in first_of:
+            value, what = first_of[b.id], what + f", same bytes as {first_of[b.id]}"
+        else:
+            value = str(plan.offsets[name])
+            first_of[b.id] = macro
+        defs.append({"macro": macro, "value": value, "comment": c_comment(f"{what}, {steps}", 200)})
+    return names, defs
+
+
+def _call(fn: str, args: list[str], indent: int = 4, width: int = 100) -> str:
+    """`fn(args);`, its arguments wrapped onto lines aligned after the parenthesis when the call
+    is longer than `width` (model.c indents calls by `indent`)."""
+    one = f"{fn}({', '.join(args)});"
+    if indent + len(one) <= width:
+        return one
+    pad = " " * (indent + len(fn) + 1)
+    lines, cur = [], ""
+    for i, a in enumerate(args):
+        piece = a + (");" if i == len(args) - 1 else ",")
+        if cur and indent + len(fn) + 1 + len(cur) + 1 + len(piece) > width:
+            lines.append(cur)
+            cur = piece
+        else:
+            cur = f"{cur} {piece}" if cur else piece
+    lines.append(cur)
+    return f"{fn}(" + ("\n" + pad).join(lines)
+
+
+def _hoist_includes(text: str, includes: list[str]) -> str:
+    """Moves the #include lines of a rendered kernel into `includes` (once each); the rest."""
+    body = []
+    for line in text.split("\n"):
+        if line.startswith("#include"):
+            if line not in includes:
+                includes.append(line)
+        else:
+            body.append(line)
+    return "\n".join(body)
+
+
+def _runtime_needs(needs: set) -> dict:
+    """The td_runtime.h sections the kernels' calls need (runtime.h.j2 variables)."""
+    simple = {w[0] for w in needs}
+    requant = {n for n in simple if n.startswith("requant")}
+    if requant & {"requant_f32", "requant_vcvtr"}:
+        requant.add("requant_scale")
+    dsp = {n for n in simple if n in ("sxtb16_r8", "pkhbt", "pkhtb", "smlal")}
+    dsp |= {f"{w[1]}xtab16_r8" for w in needs if w[0] == "xtab16_r8"}
+    return {"requant": sorted(requant), "dsp": sorted(dsp),
+            "smlad_loops": sorted(w[1:] for w in needs if w[0] == "smlad_loop"),
+            "smlad_rows": sorted(w[1] for w in needs if w[0] == "smlad_rows_loop"),
+            "vfma_loops": sorted(w[1:] for w in needs if w[0] == "vfma_loop")}
+
+
 def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInfo, isas: list[str],
              alignment: int, macs: int) -> dict[str, str]:
-    # Weights: every constant a kernel reads, in order of first use.
-    weights, wsym = [], {}
-    for k in kerns:
-        for a in (k.args if k else []):
-            t = g.t(a)
-            if t.is_const and a not in wsym:
-                wsym[a] = f"td_w{len(weights)}_{c_ident(a, 32)}"
-                weights.append(t)
-    weights_bytes = sum(t.nbytes for t in weights)
-    blob = weights_bytes > BLOB_THRESHOLD
-
-    # Kernels: render each layer's specialisation once.
-    funcs, by_source, counters = [], {}, {}
-    layers = []
-    for idx, (n, k) in enumerate(zip(g.nodes, kerns)):
-        ins = [i for i in n.inputs if i and not g.t(i).is_const]
-        desc = (f"{idx}: {n.onnx_op} \"{c_comment(n.name, 60)}\" "
-                + " ".join(_shape(g.t(i)) for i in ins) + " -> " + " ".join(_shape(g.t(o)) for o in n.outputs if o))
+    # Kernels: render each layer's specialisation once; #include lines go to the top of the file,
+    # the td_runtime.h helpers the calls use are collected.
+    funcs, by_source, counters, includes, needs = [], {}, {}, [], set()
+    layers, calls, fparams = [], {}, {}
+    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
         if k is None:
-            layers.append({"comment": desc + " (view: no code)", "call": ""})
             continue
-        source, isa = kreg.render(k.family, k.dtype, k.params, "@FN@", isas)
+        with kreg.collecting_needs(needs):
+            source, isa = kreg.render(k.family, k.dtype, k.params, "@FN@", isas)
         fn = by_source.get(source)
         if fn is None:
             num = counters.get((k.family, k.dtype), 0)
             counters[(k.family, k.dtype)] = num + 1
             fn = f"td_{k.family}_{k.dtype}_{num}"
             by_source[source] = fn
-            text = source.replace("@FN@", fn)
+            text = _hoist_includes(source.replace("@FN@", fn), includes)
             proto = text[:text.index("\n{")].strip()
+            fparams[fn] = _param_names(proto)
             funcs.append({"comment": c_comment(f"{k.family} {k.dtype} ({isa}): {k.desc}", 200),
-                          "source": text, "prototype": proto})
-        args = []
-        for a in k.args:
+                          "source": text.lstrip("\n"), "prototype": proto})
+        calls[step] = (fn, isa)
+
+    # Weights: every constant a kernel reads, in order of first use, named by layer and role:
+    # td_l<step>_<node name, shortened>_<role>, the role from the kernel's parameter name.
+    weights, wsym, winfo, taken = [], {}, {}, set()
+    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
+        if k is None:
+            continue
+        fn, isa = calls[step]
+        params = fparams[fn]
+        if len(params) != len(k.args):
+            raise TinydeployError(f"kernel {fn} takes {len(params)} arguments, layer {step} passes {len(k.args)}; "
+                                  "this is a tinydeploy bug")
+        stem = _stem(n.name or n.onnx_op, 32)
+        for a, param in zip(k.args, params):
             t = g.t(a)
-            if t.is_const:
-                args.append(wsym[a])
-            else:
-                args.append(f"({c_type(t.dtype)} *)TD_AT({plan.offsets[a]})")
-        layers.append({"comment": desc, "call": f"{fn}({', '.join(args)});"})
+            if t.is_const and a not in wsym:
+                role = _role(param, params)
+                wsym[a] = _unique(f"td_l{step}_{stem}", taken, f"_{role}")
+                winfo[a] = c_comment(f"layer {step} ({n.onnx_op}) {_role_text(role, param, t, k, isa)}", 160)
+                weights.append(t)
+    weights_bytes = sum(t.nbytes for t in weights)
+    blob = weights_bytes > BLOB_THRESHOLD
+
+    # Arena offsets: one named macro per tensor the schedule touches.
+    used = list(g.inputs)
+    for k in kerns:
+        used += [a for a in (k.args if k else []) if not g.t(a).is_const]
+    used += list(g.outputs)
+    off, offsets = _arena_macros(g, plan, used)
+
+    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
+        ins = [i for i in n.inputs if i and not g.t(i).is_const]
+        desc = (f"{step}: {n.onnx_op} \"{c_comment(n.name, 60)}\" "
+                + " ".join(_shape(g.t(i)) for i in ins) + " -> " + " ".join(_shape(g.t(o)) for o in n.outputs if o))
+        if k is None:
+            layers.append({"comment": desc + " (view: no code)", "call": ""})
+            continue
+        args = [wsym[a] if g.t(a).is_const else f"({c_type(g.t(a).dtype)} *)TD_AT({off[a]})" for a in k.args]
+        layers.append({"comment": desc, "call": _call(calls[step][0], args)})
 
     ios = []
     for kind, names in (("input", g.inputs), ("output", g.outputs)):
         for i, name in enumerate(names):
             t = g.t(name)
             ios.append({"kind": kind, "index": i, "dtype": _ONNX_DTYPE[np.dtype(t.dtype)], "elements": t.size,
-                        "bytes": t.nbytes, "shape": list(t.shape), "offset": plan.offsets[name],
+                        "bytes": t.nbytes, "shape": list(t.shape), "offset": off[name],
                         "comment": f"\"{c_comment(name, 60)}\" {np.dtype(t.dtype).name} {_shape(t)}"})
     inputs = [io for io in ios if io["kind"] == "input"]
     outputs = [io for io in ios if io["kind"] == "output"]
@@ -100,7 +279,7 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     wlist, end = [], 0
     for t in weights:
         entry = {"sym": wsym[t.name], "ctype": c_type(t.dtype), "elements": t.size,
-                 "comment": f"\"{c_comment(t.name, 60)}\" {np.dtype(t.dtype).name} {_shape(t)}"}
+                 "comment": f"{winfo[t.name]}: {np.dtype(t.dtype).name} {_shape(t)}; \"{c_comment(t.name, 60)}\""}
         if blob:
             entry["offset"] = (end + 15) // 16 * 16     # each tensor 16-byte aligned, zeros between
             end = entry["offset"] + t.nbytes
@@ -122,15 +301,18 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     files = {
         "model.h": env.get_template("model.h.j2").render(
             header=header(info, "model.h: the model's API"), arena_bytes=plan.arena_bytes,
-            lower_bound=plan.lower_bound, weights_bytes=weights_bytes, num_layers=len(g.nodes), macs=macs,
-            inputs=inputs, outputs=outputs, **common),
+            lower_bound=plan.lower_bound, weights_bytes=weights_bytes, num_layers=len(calls),
+            num_steps=len(g.nodes), macs=macs, inputs=inputs, outputs=outputs, **common),
         "model.c": env.get_template("model.c.j2").render(
             header=header(info, "model.c: arena and layer schedule"), layers=layers, inputs=inputs,
-            outputs=outputs, arena_bytes=plan.arena_bytes, alignment=alignment),
+            outputs=outputs, arena_bytes=plan.arena_bytes, alignment=alignment, offsets=offsets),
         "td_kernels.c": env.get_template("kernels.c.j2").render(
-            header=header(info, "td_kernels.c: specialised layer kernels"), kernels=funcs),
+            header=header(info, "td_kernels.c: specialised layer kernels"), kernels=funcs, includes=includes,
+            used_docs=sorted(w[1] for w in needs if w[0] == "doc")),
         "td_kernels.h": env.get_template("kernels.h.j2").render(
             header=header(info, "td_kernels.h"), kernels=funcs),
+        "td_runtime.h": env.get_template("runtime.h.j2").render(
+            header=header(info, "td_runtime.h: helpers shared by the kernels"), **_runtime_needs(needs)),
         "td_weights.h": env.get_template("weights.h.j2").render(
             header=header(info, "td_weights.h"), weights=wlist, blob=blob, blob_bytes=max(len(blob_data), 1)),
         "td_weights.c": env.get_template("weights.c.j2").render(

@@ -33,7 +33,7 @@ from tinydeploy.errors import TinydeployError
 MCU_TEMPLATES = kreg.TEMPLATES / "mcu"
 COMMON = ["harness.c", "harness.h", "port.h", "startup_cortex_m.c"]
 MODEL_SOURCES = ["model.c", "td_kernels.c", "td_weights.c"]
-MODEL_HEADERS = ["model.h", "td_kernels.h", "td_weights.h"]
+MODEL_HEADERS = ["model.h", "td_kernels.h", "td_runtime.h", "td_weights.h"]
 
 
 # ---- boards ---------------------------------------------------------------------------------

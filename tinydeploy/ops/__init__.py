@@ -8,8 +8,8 @@ One module per operator family. Each registers an `OpDef` per ONNX op type it ha
   view            -> the output is the input's bytes under another shape (no code, no copy)
   inplace         -> the output may share input 0's buffer (elementwise)
 
-Kernel templates live in firmware_templates/kernels/<family>_<dtype>_<isa>.c.j2; `ref` is the
-portable reference that every ISA variant falls back to (see codegen.kernels).
+Kernel templates live in firmware_templates/kernels/; codegen.kernels declares which ISA variants
+exist for a (family, dtype), and `ref`, the portable reference, is what every ISA falls back to.
 """
 from __future__ import annotations
 

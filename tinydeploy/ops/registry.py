@@ -11,8 +11,8 @@ One module per operator family. Each registers an `OpDef` per ONNX op type it ha
   moves           -> data movement that runs on 8-bit integers unchanged (the QDQ pass)
   qdq             -> its 8-bit form: turns DQ -> op [-> Relu/Clip] -> Q into an integer operator
 
-Kernel templates live in firmware_templates/kernels/<family>_<dtype>_<isa>.c.j2; `ref` is the
-portable reference that every ISA variant falls back to (see codegen.kernels).
+Kernel templates live in firmware_templates/kernels/; codegen.kernels declares which ISA variants
+exist for a (family, dtype), and `ref`, the portable reference, is what every ISA falls back to.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ replace one by:
   dense_packed  fully connected with more than a few rows: the same GEMM with the weights
                 packed into NR-column panels at build time and the input rows packed at run time.
   ref           tiny layers (< MIN_MACS) and matrix-vector products keep the reference kernel.
-Micro-kernel variants (templates <family>_f32_<isa>.c.j2, tiles in targets/isa.py): portable C (`ref`,
+Micro-kernel variants (templates <family>_f32.c.j2 taking the ISA, tiles in targets/isa.py): portable C (`ref`,
 the fallback of every ISA), `avx2` (FMA, ymm), `avx512` (zmm, where the host has it), `neon`
 (vfmaq_laneq_f32). The choice is explicit: params["algo"] and a "[algo isa tile ...]" prefix of
 Kernel.desc (printed in the generated code's comments; `describe()` lists them).

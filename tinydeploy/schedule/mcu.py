@@ -7,7 +7,7 @@ sign-extended weights of the same output channel, multiplied with the matching p
 activations (widened once per tile). Widening int8 weights at run time costs a pass over them for
 every tile of output pixels (a third of the time of a 64-channel 3x3 layer); packed here, the
 kernels read them straight from flash (firmware_templates/kernels/_qconv_pw_dsp.j2,
-qdense_s8_cortex-m4-dsp.c.j2). The price is flash, two bytes per weight instead of one, bounded by
+qdense_cortex-m4-dsp.c.j2). The price is flash, two bytes per weight instead of one, bounded by
 EXTRA_FLASH_BYTES.
 
 fp32 (ISA cortex-m4-fpu): convolutions with one group as a GEMM over pixel tiles, 4 channels x

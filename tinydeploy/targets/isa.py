@@ -1,9 +1,10 @@
 """Kernel ISAs: what kernel selection needs to know about each family of kernel variants.
 
-An ISA here names a set of kernel templates (firmware_templates/kernels/<family>_<dtype>_<isa>.c.j2)
-and the facts the cost model and the planners use to size work for it. Targets list the ISAs their
-CPU has, best first (tinydeploy/targets); kernel selection (tinydeploy/schedule) only ever reads
-these descriptors, so a new ISA is a descriptor here plus its templates.
+An ISA here names a set of kernel variants (declared in codegen/kernels.py, templates in
+firmware_templates/kernels/) and the facts the cost model and the planners use to size work for
+it. Targets list the ISAs their CPU has, best first (tinydeploy/targets); kernel selection
+(tinydeploy/schedule) only ever reads these descriptors, so a new ISA is a descriptor here plus
+its templates and their entries in codegen/kernels.py.
 """
 from __future__ import annotations
 
