@@ -154,7 +154,7 @@ def test_arena_offsets_are_named_macros_that_match_the_plan(model, board):
     for step, k in enumerate(c.kernels):
         if k is None:
             continue
-        runtime = [a for a in k.args if not c.graph.t(a).is_const]
+        runtime = [a for a in k.args if not k.tensor(a, c.graph).is_const]
         macros = re.findall(r"TD_AT\((TD_OFF_\w+)\)", ", ".join(calls[step]))
         assert len(macros) == len(runtime), step
         for tensor, macro in zip(runtime, macros):
@@ -222,3 +222,16 @@ def test_same_model_same_bytes_in_fresh_processes(tmp_path):
         digests.append(r.stdout)
     assert digests[0] == digests[1]
     assert "td_runtime.h" in digests[0]
+
+
+@pytest.mark.parametrize("model,board", CASES)
+def test_lowering_and_selection_leave_the_graph_as_the_passes_made_it(model, board):
+    """Kernels keep the arrays they derive (packed, re-laid weights) as their own constants and
+    their scratch as an argument: the compiled graph holds only what the passes made."""
+    from tinydeploy.pipeline import prepared_graph
+    c = _compiled(model, board)
+    g = prepared_graph(mlperf_model(model))
+    assert set(c.graph.tensors) == set(g.tensors)
+    assert not any(name.startswith("#scratch") for name in c.graph.tensors)
+    owned = [n for k in c.kernels if k for n in k.consts]
+    assert owned and not set(owned) & set(c.graph.tensors)

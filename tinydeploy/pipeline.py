@@ -90,13 +90,13 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
     kernels = select_kernels(g, lower(g), target, threads)   # fast conv/dense algorithms per layer
     plan = plan_memory(g, kernels, target.alignment)
-    weights = {a for k in kernels if k for a in k.args if g.t(a).is_const}
-    weights_bytes = sum(g.t(w).nbytes for w in weights)
+    weights = {a: k.tensor(a, g) for k in kernels if k for a in k.args if k.tensor(a, g).is_const}
+    weights_bytes = sum(t.nbytes for t in weights.values())
     if weights_bytes > budget.bytes:   # passes and kernel layouts can add to what the import held
-        largest = max(weights, key=lambda w: (g.t(w).nbytes, w))
+        largest = max(weights, key=lambda w: (weights[w].nbytes, w))
         raise limits.refuse(f"the C would hold {len(weights)} weight tensor{'s' * (len(weights) != 1)}, "
                             f"{weights_bytes} bytes (largest {printable(largest, 60)!r}, "
-                            f"{limits.human(g.t(largest).nbytes)})", weights_bytes, budget)
+                            f"{limits.human(weights[largest].nbytes)})", weights_bytes, budget)
     sha = sha256_file(Path(path))
     info = project.ModelInfo(Path(path).name, sha, command, board)
     files = project.generate(g, kernels, plan, info, target.isas, target.alignment, macs)

@@ -126,7 +126,7 @@ def _lifetimes(g: ir.Graph) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in life.items()}
 
 
-def _arena_macros(g: ir.Graph, plan: Plan, used: list[str]) -> tuple[dict[str, str], list[dict]]:
+def _arena_macros(g: ir.Graph, plan: Plan, used: list[str], lookup: dict) -> tuple[dict[str, str], list[dict]]:
     """TD_OFF_<tensor> for every arena tensor model.c uses, in order of first use: its offset, or,
     for a tensor sharing a buffer with an earlier one (a view, a result written in place), that
     tensor's macro."""
@@ -136,7 +136,7 @@ def _arena_macros(g: ir.Graph, plan: Plan, used: list[str]) -> tuple[dict[str, s
     for name in used:
         if name in names:
             continue
-        t = g.t(name)
+        t = lookup[name] if name in lookup else g.t(name)
         m = re.fullmatch(r"#scratch(\d+)", name)
         if m:
             macro = _unique(f"TD_OFF_scratch_l{m.group(1)}", taken)
@@ -240,7 +240,7 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
                                   "this is a tinydeploy bug")
         stem = _stem(n.name or n.onnx_op, 32)
         for a, param in zip(k.args, params):
-            t = g.t(a)
+            t = k.tensor(a, g)
             if t.is_const and a not in wsym:
                 role = _role(param, params)
                 wsym[a] = _unique(f"td_l{step}_{stem}", taken, f"_{role}")
@@ -250,11 +250,14 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     blob = weights_bytes > BLOB_THRESHOLD
 
     # Arena offsets: one named macro per tensor the schedule touches.
-    used = list(g.inputs)
+    used, lookup = list(g.inputs), {}
     for k in kerns:
-        used += [a for a in (k.args if k else []) if not g.t(a).is_const]
+        for a in (k.args if k else []):
+            lookup[a] = k.tensor(a, g)
+            if not lookup[a].is_const:
+                used.append(a)
     used += list(g.outputs)
-    off, offsets = _arena_macros(g, plan, used)
+    off, offsets = _arena_macros(g, plan, used, lookup)
 
     for step, (n, k) in enumerate(zip(g.nodes, kerns)):
         ins = [i for i in n.inputs if i and not g.t(i).is_const]
@@ -263,7 +266,7 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
         if k is None:
             layers.append({"comment": desc + " (view: no code)", "call": ""})
             continue
-        args = [wsym[a] if g.t(a).is_const else f"({c_type(g.t(a).dtype)} *)TD_AT({off[a]})" for a in k.args]
+        args = [wsym[a] if lookup[a].is_const else f"({c_type(lookup[a].dtype)} *)TD_AT({off[a]})" for a in k.args]
         layers.append({"comment": desc, "call": _call(calls[step][0], args)})
 
     ios = []

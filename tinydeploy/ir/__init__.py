@@ -63,6 +63,9 @@ class Graph:
     inputs: list[str]
     outputs: list[str]
     notes: list[str] = field(default_factory=list)   # things the summary should tell the user
+    # names handed out for tensors that live outside the graph (the build-time constants kernels
+    # make, tinydeploy/ops/registry.py Kernel.consts), so that every name stays unique
+    reserved: set[str] = field(default_factory=set)
 
     def t(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -97,8 +100,14 @@ class Graph:
 
     def fresh_name(self, base: str) -> str:
         name, i = base, 1
-        while name in self.tensors:
+        while name in self.tensors or name in self.reserved:
             name, i = f"{base}_{i}", i + 1
+        return name
+
+    def reserve_name(self, base: str) -> str:
+        """A fresh name, kept from every later fresh_name, for a tensor outside the graph."""
+        name = self.fresh_name(base)
+        self.reserved.add(name)
         return name
 
     def prune(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy import ir
-from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, register_qdq
+from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, new_const, register, register_qdq
 from tinydeploy.quant.params import (QTYPES, QCtx, QInfo, add_const, add_multipliers, bias_acc, channel_params,
                                      fit_int32, sole_use, weights_minus_zp)
 from tinydeploy.ops.elementwise import broadcast_loops, epilogue
@@ -30,25 +30,23 @@ def _gemm_macs(node, g):
     return y.size * k
 
 
-def fc_kernel(node, g, x: str, w_kn: np.ndarray, bias: np.ndarray | None, y: str) -> Kernel:
-    """y[M][N] = act(x[M][K] . w[K][N] + bias); adds the prepared constants to the graph. A bias
-    that differs per row (Gemm's C of shape [M, N]) is kept whole, otherwise as one row [N]."""
+def fc_kernel(node, g, x: str, w_kn: np.ndarray, bias: np.ndarray | None, y: str, consts: dict | None = None) -> Kernel:
+    """y[M][N] = act(x[M][K] . w[K][N] + bias), with the prepared constants as the kernel's own
+    (`consts`: a transposed A may already be there). A bias that differs per row (Gemm's C of
+    shape [M, N]) is kept whole, otherwise as one row [N]."""
     k, n = w_kn.shape
     m = g.t(y).size // n
-    wname = g.fresh_name(node.outputs[0] + "_weight_kn")
-    g.tensors[wname] = ir.Tensor(wname, (k, n), np.dtype(np.float32), data=np.ascontiguousarray(w_kn, np.float32))
+    consts = dict(consts or {})
+    wname = new_const(g, consts, node.outputs[0] + "_weight_kn", w_kn.astype(np.float32))
     args, bias_2d = [x, wname], False
     if bias is not None:
         full = np.broadcast_to(bias.astype(np.float32), (m, n))
         bias_2d = m > 1 and not (full == full[:1]).all()
-        data = np.ascontiguousarray(full if bias_2d else full[0])
-        bname = g.fresh_name(node.outputs[0] + "_bias")
-        g.tensors[bname] = ir.Tensor(bname, data.shape, np.dtype(np.float32), data=data)
-        args.append(bname)
+        args.append(new_const(g, consts, node.outputs[0] + "_bias", full if bias_2d else full[0]))
     args.append(y)
     return Kernel("dense", dtype_tag(g.t(y).dtype),
                   {"M": m, "K": k, "N": n, "has_bias": bias is not None, "bias_2d": bias_2d,
-                   **epilogue(node)}, args, desc=f"{m}x{k} . {k}x{n}")
+                   **epilogue(node)}, args, desc=f"{m}x{k} . {k}x{n}", consts=consts)
 
 
 # ---- 8-bit: the QDQ matches (quant/qdq.py runs them) -------------------------------------------
@@ -130,14 +128,12 @@ def emit_gemm(node: ir.Node, g: ir.Graph) -> Kernel:
     alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
     w = g.const(node.inputs[1]).astype(np.float32)
     w = w.T if a.get("transB", 0) else w
-    x = node.inputs[0]
+    x, consts = node.inputs[0], {}
     if a.get("transA", 0):  # constant A: transpose it at build time
-        at = g.const(x).T
-        x = g.fresh_name(node.outputs[0] + "_a_t")
-        g.tensors[x] = ir.Tensor(x, at.shape, np.dtype(np.float32), data=np.ascontiguousarray(at, np.float32))
+        x = new_const(g, consts, node.outputs[0] + "_a_t", g.const(x).T.astype(np.float32))
     c = g.const(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] else None
     bias = None if c is None else (beta * c.astype(np.float32))
-    return fc_kernel(node, g, x, (alpha * w).astype(np.float32), bias, node.outputs[0])
+    return fc_kernel(node, g, x, (alpha * w).astype(np.float32), bias, node.outputs[0], consts)
 
 
 def _matmul_check(node, g):

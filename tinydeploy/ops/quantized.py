@@ -8,7 +8,7 @@ import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float, c_type
-from tinydeploy.ops.registry import Kernel, dtype_tag, register
+from tinydeploy.ops.registry import Kernel, dtype_tag, new_const, register
 from tinydeploy.ops.conv import conv_geometry, conv_macs
 from tinydeploy.ops.elementwise import broadcast_loops
 from tinydeploy.ops.pool import _geometry as pool_geometry, pool_macs
@@ -50,7 +50,7 @@ def emit_qconv(node: ir.Node, g: ir.Graph) -> Kernel:
     p["OB"] = next(ob for ob in (4, 2, 1) if per_group % ob == 0)
     # "pixel": accumulators across output channels (weights re-laid [C][KH][KW][M]) when there
     # are enough channels to vectorise over and few enough for the stack; else "row".
-    args = list(node.inputs) + list(node.outputs)
+    args, consts = list(node.inputs) + list(node.outputs), {}
     p["form"] = "pixel" if p["G"] == 1 and 16 <= p["M"] <= 512 else "row"
     if p["G"] == p["C"] == p["M"] and p["KH"] * p["KW"] <= 49:
         # "dw": depthwise; interior outputs (whole window inside the input) unrolled.
@@ -65,10 +65,8 @@ def emit_qconv(node: ir.Node, g: ir.Graph) -> Kernel:
         p["IX0"], p["IX1"] = interior(p["PL"], p["W"], p["KW"], p["SW"], p["DW"], p["OW"])
     if p["form"] == "pixel":
         w = g.t(node.inputs[1])
-        wt = np.ascontiguousarray(w.data.reshape(p["M"], p["C"], p["KH"], p["KW"]).transpose(1, 2, 3, 0))
-        name = g.fresh_name(node.inputs[1] + "_ckkm")
-        g.tensors[name] = ir.Tensor(name, wt.shape, wt.dtype, data=wt)
-        args[1] = name
+        wt = w.data.reshape(p["M"], p["C"], p["KH"], p["KW"]).transpose(1, 2, 3, 0)
+        args[1] = new_const(g, consts, node.inputs[1] + "_ckkm", wt)
     # Output columns [OX0[kx], OX1[kx]) read inside the input for horizontal tap kx.
     p["OX0"], p["OX1"] = [], []
     for kx in range(p["KW"]):
@@ -81,7 +79,7 @@ def emit_qconv(node: ir.Node, g: ir.Graph) -> Kernel:
     kind = "depthwise " if p["G"] == p["C"] and p["G"] > 1 else ("grouped " if p["G"] > 1 else "")
     desc = (f"{kind}{p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']}: "
             f"{p['C']}x{p['H']}x{p['W']} -> {p['M']}x{p['OH']}x{p['OW']}")
-    return Kernel("qconv2d", dtype_tag(g.t(node.inputs[0]).dtype), p, args, desc=desc)
+    return Kernel("qconv2d", dtype_tag(g.t(node.inputs[0]).dtype), p, args, desc=desc, consts=consts)
 
 
 def _dense_macs(node, g):

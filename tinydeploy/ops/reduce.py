@@ -7,7 +7,7 @@ import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float
-from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
+from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, new_const, register
 from tinydeploy.quant.params import QCtx, QInfo, softmax_table
 from tinydeploy.ops.elementwise import broadcast_loops, epilogue
 
@@ -116,15 +116,13 @@ def _bn_check(node, g):
 
 def channel_affine(node: ir.Node, g: ir.Graph, x: str, scale: np.ndarray, shift: np.ndarray, y: str) -> Kernel:
     xt = g.t(x)
-    names = []
-    for what, data in (("scale", scale), ("shift", shift)):
-        nm = g.fresh_name(f"{y}_{what}")
-        g.tensors[nm] = ir.Tensor(nm, data.shape, np.dtype(np.float32), data=data.astype(np.float32))
-        names.append(nm)
+    consts: dict = {}
+    names = [new_const(g, consts, f"{y}_{what}", data.astype(np.float32)) for what, data in (("scale", scale), ("shift", shift))]
     c = xt.shape[1] if len(xt.shape) > 1 else 1
     inner = xt.size // (xt.shape[0] * c)
     return Kernel("channel_affine", dtype_tag(xt.dtype), {"N": xt.shape[0], "C": c, "inner": inner,
-                  **epilogue(node)}, [x, *names, y], desc=f"per-channel scale+shift of {list(xt.shape)}")
+                  **epilogue(node)}, [x, *names, y], desc=f"per-channel scale+shift of {list(xt.shape)}",
+                  consts=consts)
 
 
 @register("BatchNormalization", check=_bn_check, inplace=True, epilogue=True)

@@ -16,7 +16,7 @@ exist for a (family, dtype), and `ref`, the portable reference, is what every IS
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -26,12 +26,40 @@ from tinydeploy import ir
 
 @dataclass
 class Kernel:
+    """One layer's code: which template family renders it, with which compile-time parameters,
+    reading and writing which tensors. Lowering and kernel selection leave the graph as the passes
+    made it: the build-time arrays a kernel derives (weights re-laid or packed for it) are its own
+    `consts`, and its run-time scratch is the argument SCRATCH (the planner's "#scratch<step>")."""
     family: str                     # template family, e.g. "conv2d"
     dtype: str                      # "f32", "s8", "u8"
     params: dict[str, Any]          # compile-time constants of this specialisation
     args: list[str]                 # tensor names: inputs (constants allowed) then outputs
     scratch_bytes: int = 0          # arena scratch the kernel needs while it runs
     desc: str = ""                  # one-line human description for the comment
+    consts: dict[str, ir.Tensor] = field(default_factory=dict)   # build-time arrays it made, by name
+    scratch_dtype: str = "float32"  # the C type its scratch argument points to
+
+    def tensor(self, name: str, g: ir.Graph, step: int | None = None) -> ir.Tensor:
+        """An argument's tensor: one of the kernel's own constants, its scratch, or the graph's."""
+        if name in self.consts:
+            return self.consts[name]
+        if name.startswith("#scratch"):
+            dt = np.dtype(self.scratch_dtype)
+            return ir.Tensor(name, (max(1, self.scratch_bytes // dt.itemsize),), dt)
+        return g.t(name)
+
+
+def new_const(g: ir.Graph, consts: dict, base: str, data: np.ndarray) -> str:
+    """Keep `data` in `consts` (a kernel's own constants) under a fresh name; returns the name."""
+    name = g.reserve_name(base)
+    data = np.ascontiguousarray(data)
+    consts[name] = ir.Tensor(name, tuple(data.shape), data.dtype, data=data)
+    return name
+
+
+def scratch_arg(step: int) -> str:
+    """The argument that stands for layer `step`'s scratch (the planner places "#scratch<step>")."""
+    return f"#scratch{step}"
 
 
 @dataclass

@@ -65,6 +65,7 @@ from tinydeploy import ir
 from tinydeploy.schedule import tuning
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
+from tinydeploy.ops.registry import new_const, scratch_arg
 from tinydeploy.schedule.mcu import select_mcu
 from tinydeploy.targets.isa import get_isa
 
@@ -143,18 +144,9 @@ def _isa(family: str, target) -> str:
     return isa
 
 
-def _add_const(g: ir.Graph, base: str, data: np.ndarray) -> str:
-    name = g.fresh_name(base)
-    g.tensors[name] = ir.Tensor(name, data.shape, np.dtype(np.float32), data=np.ascontiguousarray(data, np.float32))
-    return name
-
-
-def _add_scratch(g: ir.Graph, step: int, nbytes: int) -> str:
-    # The planner names kernel scratch "#scratch<step>"; a runtime tensor of that name lets the
-    # code generator pass its arena address like any other argument.
-    name = f"#scratch{step}"
-    g.tensors[name] = ir.Tensor(name, (max(1, nbytes // 4),), np.dtype(np.float32))
-    return name
+def _add_const(g: ir.Graph, consts: dict, base: str, data: np.ndarray) -> str:
+    """A float32 constant of the kernel being made (its `consts`), under a fresh name."""
+    return new_const(g, consts, base, np.asarray(data, np.float32))
 
 
 # ---- convolution ---------------------------------------------------------------------------
@@ -229,7 +221,7 @@ def conv_choice(p: dict, isa: str, force: str, l1: int = 32768, l2: int = 524288
     return min(costs, key=costs.get)
 
 
-def _epilogue(g: ir.Graph, kern: Kernel, p: dict, mr: int, args: list[str]) -> dict:
+def _epilogue(g: ir.Graph, kern: Kernel, p: dict, mr: int, args: list[str], consts: dict) -> dict:
     """Fused-epilogue parameters; with a bias, args[2] becomes the bias padded to MR rows per group."""
     vact = p["activation"].vector_steps()
     if vact is None:
@@ -238,8 +230,8 @@ def _epilogue(g: ir.Graph, kern: Kernel, p: dict, mr: int, args: list[str]) -> d
         G, mg = p["G"], p["M"] // p["G"]
         mp = _round_up(mg, mr)
         bias = np.zeros((G, mp), np.float32)
-        bias[:, :mg] = g.const(kern.args[2]).astype(np.float32).reshape(G, mg)
-        args[2] = _add_const(g, kern.args[-1] + "_bias_padded", bias.reshape(-1))
+        bias[:, :mg] = kern.tensor(kern.args[2], g).data.astype(np.float32).reshape(G, mg)
+        args[2] = _add_const(g, consts, kern.args[-1] + "_bias_padded", bias.reshape(-1))
     return {"on": True, "bias": bool(p["has_bias"]), "act": p["act"], "vact": vact}
 
 
@@ -256,6 +248,7 @@ def _pack_conv_weights(w: np.ndarray, G: int, mr: int) -> np.ndarray:
 
 def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str, choice: dict | None = None) -> Kernel:
     p = dict(kern.params)
+    consts = dict(kern.consts)      # the generic kernel's own, and what this one adds
     algo = conv_choice(p, _isa("conv2d_gemm", target), choice["algo"] if choice else force,
                        int(getattr(target, "l1d_bytes", 32768)), int(getattr(target, "l2_bytes", 524288)))
     if algo == "conv2d_dw":
@@ -270,8 +263,8 @@ def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str, choic
             planes = 4 * ((hp + 1) // 2) * ((wp + 1) // 2)
             flat = _round_up((p["OH"] - 1) * ((wp + 1) // 2) + p["OW"], 16)
         scratch = 4 * (planes + 2 * flat)      # planes, zero slack, flat accumulator
-        args = list(kern.args) + [_add_scratch(g, step, scratch)]
-        return Kernel("conv2d_dw", kern.dtype, p, args, scratch, f"[conv2d_dw {isa}] {kern.desc}")
+        args = list(kern.args) + [scratch_arg(step)]
+        return Kernel("conv2d_dw", kern.dtype, p, args, scratch, f"[conv2d_dw {isa}] {kern.desc}", consts=consts)
     if algo == "conv2d_igemm":
         return _select_igemm(g, step, kern, target, choice)
     if algo == "conv2d_gemmt":
@@ -288,51 +281,53 @@ def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str, choic
     mr, nr = pick_tile(isa, mg, cols, choice)
     kc, mc, nc = tuned_blocking(target, mr, nr, k, mg, cols, choice)
     direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0
-    w = g.const(kern.args[1]).astype(np.float32)
-    wname = _add_const(g, kern.args[-1] + "_weight_packed", _pack_conv_weights(w, G, mr))
+    w = kern.tensor(kern.args[1], g).data.astype(np.float32)
+    wname = _add_const(g, consts, kern.args[-1] + "_weight_packed", _pack_conv_weights(w, G, mr))
     panel_floats = kc * _round_up(nc, nr)
     row_floats = 0 if direct else _round_up(nc, 16)
     scratch = 4 * (panel_floats + row_floats)
-    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
-    p["E"] = _epilogue(g, kern, p, mr, args)
+    args = [kern.args[0], wname] + kern.args[2:] + [scratch_arg(step)]
+    p["E"] = _epilogue(g, kern, p, mr, args, consts)
     p.update(algo=algo, isa=isa, MR=mr, NR=nr, KC=kc, MC=mc, NC=nc, K=k, MG=mg, CG=p["C"] // G,
              MP=_round_up(mg, mr), P=cols, DIRECT=direct, ROWOFF=panel_floats)
     desc = f"[conv2d_gemm {isa} {mr}x{nr} kc {kc} mc {mc} nc {nc}{' direct' if direct else ' im2col'}] {kern.desc}"
-    return Kernel("conv2d_gemm", kern.dtype, p, args, scratch, desc)
+    return Kernel("conv2d_gemm", kern.dtype, p, args, scratch, desc, consts=consts)
 
 
 def _select_gemmt(g: ir.Graph, step: int, kern: Kernel, target, choice: dict | None = None) -> Kernel:
     p = dict(kern.params)
+    consts = dict(kern.consts)      # the generic kernel's own, and what this one adds
     isa = _isa("conv2d_gemmt", target)
     k, m, cols = p["C"], p["M"], p["OH"] * p["OW"]
     mr, nr = pick_tile(isa, cols, m, choice)
-    w = g.const(kern.args[1]).astype(np.float32).reshape(m, k)
+    w = kern.tensor(kern.args[1], g).data.astype(np.float32).reshape(m, k)
     mp = _round_up(m, nr)
     b = np.zeros((mp, k), np.float32)
     b[:m] = w
     packed = np.ascontiguousarray(b.reshape(mp // nr, nr, k).transpose(0, 2, 1)).reshape(-1)   # [M/NR][K][NR]
-    wname = _add_const(g, kern.args[-1] + "_weight_packed", packed)
+    wname = _add_const(g, consts, kern.args[-1] + "_weight_packed", packed)
     scratch = 4 * _round_up(cols, mr) * k
-    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
+    args = [kern.args[0], wname] + kern.args[2:] + [scratch_arg(step)]
     p.update(algo="conv2d_gemmt", isa=isa, MR=mr, NR=nr, K=k, P=cols)
     desc = f"[conv2d_gemmt {isa} {mr}x{nr} positions x channels] {kern.desc}"
-    return Kernel("conv2d_gemmt", kern.dtype, p, args, scratch, desc)
+    return Kernel("conv2d_gemmt", kern.dtype, p, args, scratch, desc, consts=consts)
 
 
 def _select_igemm(g: ir.Graph, step: int, kern: Kernel, target, choice: dict | None = None) -> Kernel:
     p = dict(kern.params)
+    consts = dict(kern.consts)      # the generic kernel's own, and what this one adds
     isa = _isa("conv2d_igemm", target)
     G = p["G"]
     mg, cg = p["M"] // G, p["C"] // G
     k = cg * p["KH"] * p["KW"]
     hp, wp, phases, offs = _igemm_geometry(p)
     mr, nr = pick_tile(isa, mg, p["OH"] * wp, choice)
-    w = g.const(kern.args[1]).astype(np.float32)
-    wname = _add_const(g, kern.args[-1] + "_weight_packed", _pack_conv_weights(w, G, mr))
+    w = kern.tensor(kern.args[1], g).data.astype(np.float32)
+    wname = _add_const(g, consts, kern.args[-1] + "_weight_packed", _pack_conv_weights(w, G, mr))
     slack = _round_up(nr + (p["KW"] - 1) * p["DW"] + 16, 16)   # tiles past the last row read here
     scratch = 4 * (len(phases) * cg * hp * wp + slack)
-    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
-    p["E"] = _epilogue(g, kern, p, mr, args)
+    args = [kern.args[0], wname] + kern.args[2:] + [scratch_arg(step)]
+    p["E"] = _epilogue(g, kern, p, mr, args, consts)
     sw = p["SW"]
     ph = []
     for py, px in phases:       # columns j of a plane row that come from the image: [lo, hi)
@@ -342,7 +337,7 @@ def _select_igemm(g: ir.Graph, step: int, kern: Kernel, target, choice: dict | N
     p.update(algo="conv2d_igemm", isa=isa, MR=mr, NR=nr, K=k, MG=mg, CG=cg, MP=_round_up(mg, mr),
              HP=hp, WP=wp, OFFS=offs, SLACK=slack, PHASES=ph)
     desc = f"[conv2d_igemm {isa} {mr}x{nr} {len(phases)} x {hp}x{wp} planes] {kern.desc}"
-    return Kernel("conv2d_igemm", kern.dtype, p, args, scratch, desc)
+    return Kernel("conv2d_igemm", kern.dtype, p, args, scratch, desc, consts=consts)
 
 
 # ---- Winograd convolution ------------------------------------------------------------------
@@ -433,6 +428,7 @@ def winograd_filters(w: np.ndarray, G: int, wm: int, mr: int) -> np.ndarray:
 
 def _select_winograd(g: ir.Graph, step: int, kern: Kernel, target, algo: str) -> Kernel:
     p = dict(kern.params)
+    consts = dict(kern.consts)      # the generic kernel's own, and what this one adds
     isa = _isa("conv2d_winograd", target)
     wm = int(algo[-1])
     cg, mg = p["C"] // p["G"], p["M"] // p["G"]
@@ -440,16 +436,16 @@ def _select_winograd(g: ir.Graph, step: int, kern: Kernel, target, algo: str) ->
     q = _winograd_plan(p, wm, mr, nr, int(getattr(target, "l2_bytes", 524288) or 524288))
     kc = blocking(target, mr, nr, cg, mg, q["NB"])[0]
     vl = next(v for v in (get_isa(isa).winograd_lanes, 8, 4, 2, 1) if nr % v == 0)
-    w = g.const(kern.args[1]).astype(np.float32)
-    wname = _add_const(g, kern.args[-1] + f"_winograd{wm}", winograd_filters(w, p["G"], wm, mr))
+    w = kern.tensor(kern.args[1], g).data.astype(np.float32)
+    wname = _add_const(g, consts, kern.args[-1] + f"_winograd{wm}", winograd_filters(w, p["G"], wm, mr))
     mp = _round_up(mg, mr)
     scratch = 4 * (q["WT"] ** 2 * (q["VXS"] + q["MXS"]) + q["WT"] * (q["SLEN"] + q["OLEN"]) + q["WPAD"])
-    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
+    args = [kern.args[0], wname] + kern.args[2:] + [scratch_arg(step)]
     p.update(q, algo=algo, isa=isa, MR=mr, NR=nr, KC=kc, MG=mg, CG=cg, MP=mp, VL=vl,
              BT=WINOGRAD[wm]["BT"], AT=WINOGRAD[wm]["AT"])
     desc = (f"[{algo} {isa} {mr}x{nr} F({wm}x{wm},3x3) {q['TILES']} tiles, {q['NB']} per block] "
             f"{kern.desc}")
-    return Kernel("conv2d_winograd", kern.dtype, p, args, scratch, desc)
+    return Kernel("conv2d_winograd", kern.dtype, p, args, scratch, desc, consts=consts)
 
 
 # ---- fully connected -----------------------------------------------------------------------
@@ -468,25 +464,26 @@ def dense_choice(p: dict, isa: str, force: str) -> str:
 
 def _select_dense(g: ir.Graph, step: int, kern: Kernel, target, force: str, choice: dict | None = None) -> Kernel:
     p = dict(kern.params)
+    consts = dict(kern.consts)      # the generic kernel's own, and what this one adds
     isa = _isa("dense_packed", target)
-    if dense_choice(p, isa, choice["algo"] if choice else force) != "dense_packed" or g.const(kern.args[1]) is None:
+    if dense_choice(p, isa, choice["algo"] if choice else force) != "dense_packed" or kern.tensor(kern.args[1], g).data is None:
         kern.params = dict(kern.params, algo="ref")
         kern.desc = f"[ref direct] {kern.desc}"
         return kern
     m, k, n = p["M"], p["K"], p["N"]
     mr, nr = pick_tile(isa, m, n, choice)
     kc, mc, nc = tuned_blocking(target, mr, nr, k, m, n, choice)
-    w = g.const(kern.args[1]).astype(np.float32)              # [K][N]
+    w = kern.tensor(kern.args[1], g).data.astype(np.float32)              # [K][N]
     np_ = _round_up(n, nr)
     b = np.zeros((k, np_), np.float32)
     b[:, :n] = w
     packed = np.ascontiguousarray(b.reshape(k, np_ // nr, nr).transpose(1, 0, 2)).reshape(-1)
-    wname = _add_const(g, kern.args[-1] + "_weight_packed", packed)
+    wname = _add_const(g, consts, kern.args[-1] + "_weight_packed", packed)
     scratch = 4 * kc * _round_up(mc, mr)
-    args = [kern.args[0], wname] + kern.args[2:] + [_add_scratch(g, step, scratch)]
+    args = [kern.args[0], wname] + kern.args[2:] + [scratch_arg(step)]
     p.update(algo="dense_packed", isa=isa, MR=mr, NR=nr, KC=kc, MC=mc, NC=nc)
     desc = f"[dense_packed {isa} {mr}x{nr} kc {kc} mc {mc} nc {nc}] {kern.desc}"
-    return Kernel("dense_packed", kern.dtype, p, args, scratch, desc)
+    return Kernel("dense_packed", kern.dtype, p, args, scratch, desc, consts=consts)
 
 
 # ---- threads --------------------------------------------------------------------------------
@@ -532,8 +529,9 @@ def parallelise(g: ir.Graph, step: int, k: Kernel | None, threads: int) -> Kerne
     if k.family in _PER_THREAD_SCRATCH:
         p["WST"] = _round_up(per, 16)   # one slice per thread, on cache lines of its own
         scratch = 4 * t * p["WST"]
-        args[-1] = _add_scratch(g, step, scratch)
-    return Kernel(k.family, k.dtype, p, args, scratch, desc.replace("] ", f" threads {t}] ", 1))
+        args[-1] = scratch_arg(step)
+    return Kernel(k.family, k.dtype, p, args, scratch, desc.replace("] ", f" threads {t}] ", 1), consts=k.consts,
+                  scratch_dtype=k.scratch_dtype)
 
 
 def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: int = 1) -> list[Kernel | None]:

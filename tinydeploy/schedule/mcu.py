@@ -31,6 +31,7 @@ import numpy as np
 from tinydeploy import ir
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
+from tinydeploy.ops.registry import new_const, scratch_arg
 
 # The target names the ISAs of these kernels by their role (targets/isa.py): "dsp8" for the 8-bit
 # SMLAD kernels, "fpu32" for the fp32 FPU ones.
@@ -94,7 +95,7 @@ def _conv_rows(g: ir.Graph, k: Kernel) -> np.ndarray:
     """A convolution's weights as [M][K] in its pair order: flat (c, ky, kx), or channel pairs
     (c pair, tap, channel of the pair) with a zero channel when C is odd."""
     p = k.params
-    w = g.const(k.args[1]).astype(np.int32)
+    w = k.tensor(k.args[1], g).data.astype(np.int32)
     if p["form"] == "pixel":       # lowering re-laid them [C][KH][KW][M]
         w = w.reshape(p["C"], p["KH"], p["KW"], p["M"]).transpose(3, 0, 1, 2)
     m, c, kk = p["M"], p["C"], p["KH"] * p["KW"]
@@ -107,14 +108,12 @@ def _conv_rows(g: ir.Graph, k: Kernel) -> np.ndarray:
 
 
 def _attach(g: ir.Graph, step: int, k: Kernel, packed: np.ndarray, scratch_words: int, desc: str, **params) -> None:
-    """Give kernel k its packed weights (replacing args[1]), arena scratch (the planner's
-    "#scratch<step>", passed last) and parameters."""
-    name = g.fresh_name(k.args[1] + "_packed")
-    g.tensors[name] = ir.Tensor(name, packed.shape, packed.dtype, data=packed)
+    """Give kernel k its packed weights (its own constant, replacing args[1]), arena scratch (the
+    planner's "#scratch<step>", passed last) and parameters."""
+    name = new_const(g, k.consts, k.args[1] + "_packed", packed)
     k.scratch_bytes = 4 * scratch_words
-    scratch = f"#scratch{step}"
-    g.tensors[scratch] = ir.Tensor(scratch, (scratch_words,), packed.dtype)
-    k.args = [k.args[0], name] + list(k.args[2:]) + [scratch]
+    k.scratch_dtype = np.dtype(packed.dtype).name
+    k.args = [k.args[0], name] + list(k.args[2:]) + [scratch_arg(step)]
     k.params = dict(k.params, PACKED=True, **params)
     k.desc = f"[{desc}] {k.desc}"
 
@@ -132,9 +131,9 @@ def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
     for step, k in enumerate(kernels):
         if k is None or not _packable(k) or not _uses(k, target, isa):
             continue
-        rows = _conv_rows(g, k) if k.family == "qconv2d" else g.const(k.args[1]).astype(np.int32)
+        rows = _conv_rows(g, k) if k.family == "qconv2d" else k.tensor(k.args[1], g).data.astype(np.int32)
         packed = pack_pairs(rows)
-        extra = packed.nbytes - g.t(k.args[1]).nbytes
+        extra = packed.nbytes - k.tensor(k.args[1], g).nbytes
         macs = rows.size * (k.params["OH"] * k.params["OW"] * k.params["N"] if k.family == "qconv2d" else k.params["M"])
         cands.append((-macs / max(extra, 1), step, k, packed, extra))
     spent = 0
@@ -162,7 +161,7 @@ def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
         kdim = p["C"] * p["KH"] * p["KW"]
         if p["N"] * p["M"] * p["OH"] * p["OW"] * kdim < FP32_MIN_MACS:
             continue        # gathering the columns would cost more than it saves
-        w = g.const(k.args[1]).astype(np.float32).reshape(p["M"], kdim)
+        w = k.tensor(k.args[1], g).data.astype(np.float32).reshape(p["M"], kdim)
         tile = tile_pixels(p, kdim)
         _attach(g, step, k, blocks_of_4(w), tile * kdim, f"{isa} GEMM, weights in 4-channel blocks", T_=tile)
 
