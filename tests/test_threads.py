@@ -1,4 +1,4 @@
-"""`--threads N` (tinydeploy/schedule.py `parallelise`, the OpenMP loops of the fast drivers): every
+"""`--threads N` (tinydeploy/schedule/threads.py `parallelise`, the OpenMP loops of the fast drivers): every
 threaded algorithm (conv2d_gemm, conv2d_igemm, conv2d_gemmt, conv2d_dw, dense_packed, each forced
 by TINYDEPLOY_ALGO) on a small synthetic model with batch 2, groups, strides and tails, built
 with 1 and 4 threads: both match onnxruntime and are bit-identical to each other; threads = 1
@@ -14,6 +14,7 @@ from onnx import TensorProto, helper
 
 from tinydeploy import cli, flow, reference
 from tinydeploy import schedule
+from tinydeploy.schedule import threads as threads_mod
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
 from tinydeploy.targets import get_target
@@ -55,7 +56,7 @@ def small_model():
 @pytest.fixture
 def model(tmp_path, monkeypatch):
     # every layer of the small model is worth threading (the real threshold keeps tiny layers serial)
-    monkeypatch.setattr(schedule, "MIN_THREAD_MACS", 64)
+    monkeypatch.setattr(threads_mod, "MIN_THREAD_MACS", 64)
     return save(small_model(), tmp_path)
 
 
@@ -118,7 +119,7 @@ def test_per_thread_scratch_and_threshold(model, monkeypatch):
             assert k3.params["WST"] >= k3.params["KC"] * k3.params["NC"] and k3.params["NC"] <= k1.params["NC"]
         assert f"threads {t}]" in k3.desc
     assert three.plan.arena_bytes >= one.plan.arena_bytes
-    monkeypatch.setattr(schedule, "MIN_THREAD_MACS", 10 ** 9)      # nothing is worth a thread
+    monkeypatch.setattr(threads_mod, "MIN_THREAD_MACS", 10 ** 9)      # nothing is worth a thread
     assert compile_model(model, get_target("host"), threads=3).files["td_kernels.c"] == one.files["td_kernels.c"]
 
 

@@ -14,6 +14,7 @@ import pytest
 from test_fast_kernels import FIRST, HOST_ISAS, OTHERS, assert_close_to_reference, conv_model, outputs_of, use_host
 from tinydeploy import flow, reference, targets
 from tinydeploy import schedule
+from tinydeploy.schedule import winograd
 from util import check_model, mlperf_model, require, save
 
 CASES = {
@@ -50,8 +51,8 @@ def test_blocking_splits_tiles_and_channels():
     t = dataclasses.replace(targets.host(), l1d_bytes=2048, l2_bytes=16384)
     p = {"N": 1, "C": 40, "H": 23, "W": 25, "M": 20, "OH": 23, "OW": 25, "G": 1}
     for wm in (2, 4):
-        mr, nr = schedule._winograd_tile("avx2", 20, -(-23 // wm) * -(-25 // wm))
-        q = schedule._winograd_plan(p, wm, mr, nr, t.l2_bytes)
+        mr, nr = winograd._winograd_tile("avx2", 20, -(-23 // wm) * -(-25 // wm))
+        q = winograd._winograd_plan(p, wm, mr, nr, t.l2_bytes)
         assert q["BLOCKS"] > 1 and q["NB"] % nr == 0, q
         assert schedule.blocking(t, mr, nr, 40, 20, q["NB"])[0] < 40
 

@@ -38,7 +38,7 @@ import numpy as np
 from tinydeploy import flow, reference, runners
 from tinydeploy.targets import boards
 from tinydeploy import schedule
-from tinydeploy.schedule import tuning
+from tinydeploy.schedule import conv, tuning
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.runners.harness import time_runs
@@ -137,7 +137,7 @@ def _tile_geometry(algo: str, p: dict) -> tuple[int, int] | None:
     if algo == "conv2d_gemm":
         return p["M"] // p["G"], p["OH"] * p["OW"]
     if algo == "conv2d_igemm":
-        return p["M"] // p["G"], p["OH"] * schedule._igemm_geometry(p)[1]
+        return p["M"] // p["G"], p["OH"] * conv._igemm_geometry(p)[1]
     if algo == "conv2d_gemmt":
         return p["OH"] * p["OW"], p["M"]
     if algo == "dense_packed":
