@@ -10,13 +10,15 @@ at least one such case.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tinydeploy.errors import TinydeployError
-from tinydeploy.ops.elementwise import UNARY
+from tinydeploy.ops.elementwise import BINARY, UNARY
 from tinydeploy.pipeline import compile_model
 from tinydeploy.targets import get_target
 from util import check_model, make_model, save
@@ -565,7 +567,9 @@ def test_global_pool(tmp_path, op, xs):
 
 # ----------------------------------------------------------------------------- binary broadcasting
 
-BINARY_OPS = ["Add", "Sub", "Mul", "Div", "Max", "Min", "Sum", "Pow"]
+# the bidirectionally broadcasting binary ops of the registry (PRelu's slope broadcasts one way:
+# test_prelu), and the variadic Sum
+BINARY_OPS = sorted(op for op in BINARY if op != "PRelu") + ["Sum"]
 
 BROADCASTS = [
     # id, a shape, b shape
@@ -1083,6 +1087,28 @@ def test_graph_input_listed_twice_as_output(tmp_path):
 def test_unary_ops_are_all_tested():
     """The unary sweep is parametrised over elementwise.UNARY itself; make sure it is not empty and
     that the activations the fusion pass knows are covered by test_activation."""
-    from tinydeploy.ops.elementwise import ACTIVATIONS
+    from tinydeploy.ir.activation import FUSABLE_ONNX
     assert len(UNARY) >= 19
-    assert set(ACTIVATIONS) <= {p.values[0] for p in ACTIVATION_CASES}
+    assert set(FUSABLE_ONNX) <= {p.values[0] for p in ACTIVATION_CASES}
+
+
+def test_every_registered_operator_has_cases():
+    """The matrix picks up the registry: the unary and binary sweeps are parametrised over the
+    registry's own tables; every other ONNX operator the registry has must have cases of its own
+    here (or, for QuantizeLinear / DequantizeLinear, in test_quantized.py)."""
+    import onnx
+    from tinydeploy.ops import REGISTRY
+    here = Path(__file__).read_text() + (Path(__file__).parent / "test_quantized.py").read_text()
+    swept = set(UNARY) | set(BINARY)
+    missing = [op for op in sorted(REGISTRY) if onnx.defs.has(op) and op not in swept and f'"{op}"' not in here]
+    assert not missing, f"registered operators without test cases: {missing}"
+
+
+@pytest.mark.parametrize("slope_shape", [[4, 1, 1], [1], [], [2, 4, 3, 5], [5]], ids=str)
+def test_prelu(tmp_path, slope_shape):
+    """PRelu, slope as a constant (per channel, shared, scalar, full, last axis) and at run time."""
+    m = build([helper.make_node("PRelu", ["x", "s"], ["y"])], {"x": [2, 4, 3, 5]}, ["y"],
+              {"s": rnd(slope_shape, 5, 0.05, 0.5)})
+    check_model(m, tmp_path, variants=ALL if slope_shape == [4, 1, 1] else QUICK)
+    m = build([helper.make_node("PRelu", ["x", "s"], ["y"])], {"x": [2, 4, 3, 5], "s": slope_shape}, ["y"])
+    check_model(m, tmp_path, variants=QUICK)

@@ -117,8 +117,37 @@ def _opset(model: onnx.ModelProto) -> int:
     return 1
 
 
+def _channel_slopes_of_opset6(model: onnx.ModelProto) -> None:
+    """Before opset 7 a PRelu slope of shape [C] applied per channel (axis 1); from opset 7 it
+    broadcasts numpy-style, from the last axis. onnx's version converter keeps the tensor as it
+    is, so a constant per-channel slope is given its [C, 1, ..., 1] shape here first."""
+    prelus = [n for n in model.graph.node if n.op_type == "PRelu" and n.domain in ("", "ai.onnx") and len(n.input) > 1]
+    if not prelus:
+        return
+    try:
+        shapes = _shapes(shape_inference.infer_shapes(model))
+    except Exception:
+        return   # the strict inference after conversion reports what is wrong
+    inits = {i.name: i for i in model.graph.initializer}
+    for n in prelus:
+        x, s = shapes.get(n.input[0], (None, 0))[0], inits.get(n.input[1])
+        if x is None or s is None or len(x) < 3 or len(s.dims) != 1 or s.dims[0] in (1,) or s.dims[0] != x[1]:
+            continue
+        slope = numpy_helper.to_array(s).reshape((x[1],) + (1,) * (len(x) - 2))
+        name = s.name + "_per_channel"
+        if name not in inits:
+            t = numpy_helper.from_array(slope, name)
+            model.graph.initializer.append(t)
+            inits[name] = t
+            if any(i.name == s.name for i in model.graph.input):   # IR < 4: initializers are inputs too
+                model.graph.input.append(onnx.helper.make_tensor_value_info(name, s.data_type, list(slope.shape)))
+        n.input[1] = name
+
+
 def _normalise_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     v = _opset(model)
+    if v < 7:
+        _channel_slopes_of_opset6(model)
     if v < MIN_OPSET:
         try:
             model = version_converter.convert_version(model, MIN_OPSET)

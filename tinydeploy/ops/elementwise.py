@@ -77,6 +77,8 @@ for _op in UNARY:
 BINARY = {
     "Add": "(a_ + b_)", "Sub": "(a_ - b_)", "Mul": "(a_ * b_)", "Div": "(a_ / b_)",
     "Max": "fmaxf(a_, b_)", "Min": "fminf(a_, b_)", "Pow": "powf(a_, b_)",
+    # PRelu(x, slope): the slope broadcasts to x (unidirectionally; onnx shape inference checks it)
+    "PRelu": "(a_ >= 0.0f ? a_ : a_ * b_)",
 }
 
 
