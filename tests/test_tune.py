@@ -10,6 +10,7 @@ from onnx import TensorProto, helper
 
 from tinydeploy import cli, flow, reference, targets
 from tinydeploy import schedule
+from tinydeploy.schedule import cost
 from tinydeploy.schedule import tuner as tune
 from tinydeploy.schedule import tuning
 from tinydeploy.errors import TinydeployError
@@ -71,7 +72,7 @@ def test_tune_resumes_and_select_uses_the_entries(model, tmp_path, monkeypatch):
 
     # select takes the database's choice (here one the cost model would not make) and says so
     isa = schedule._isa("conv2d_gemm", targets.get_target("host"))
-    tile = list(schedule._tiles(isa)[-1][:2])
+    tile = list(cost._tiles(isa)[-1][:2])
     on_disk["layers"][sigs[1]] = {"algo": "conv2d_gemm", "tile": tile, "blocking": [24, 16, 64]}
     db_path.write_text(json.dumps(on_disk))
     monkeypatch.setenv("TINYDEPLOY_TUNING", str(db_path))
