@@ -243,7 +243,7 @@ def test_automatic_choice_mixed_model(isa, tmp_path, monkeypatch):
     if isa != "ref":
         assert f"conv2d_gemm f32 ({isa})" in src or f"conv2d_igemm f32 ({isa})" in src
     assert "conv2d_dw f32" in src
-    assert "[ref direct]" in src      # the 2-channel 1x1 conv and the 1-row dense stay reference
+    assert "[ref direct]" in src      # the 2-channel 1x1 conv stays reference (the 1-row dense: dense_gemv)
     assert_close_to_reference(path, tmp_path, monkeypatch, "conv2d_")
 
 
@@ -295,7 +295,7 @@ def test_forced_algorithm_neon_under_qemu(name, algo, tmp_path, monkeypatch):
                             lambda: dataclasses.replace(real(), l1d_bytes=2048, l2_bytes=16384))
     path = save(model_for(name), tmp_path)
     got, x, src = outputs_of(path, tmp_path / "neon", board="rpi4")
-    assert f"{algo} f32 ({'ref' if algo == 'conv2d_dw' else 'neon'})" in src
+    assert f"{algo} f32 (neon)" in src
     res = reference.compare(got, reference.run_onnxruntime(path.read_bytes(), x), flow.FP32_RTOL)
     assert res["outputs_match"] and res["max_rel_error"] <= 1e-4, res
     # and against the reference kernel: same inputs, same emulator

@@ -62,8 +62,11 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
     conv = _save(conv_model(c=8, h=9, w=9, m=16, act="relu"), tmp_path, "conv")
     conv1x1 = _save(conv_model(c=16, h=6, w=6, m=24, k=(1, 1), pads=(0, 0, 0, 0)), tmp_path, "conv1x1")
     dense = _save(dense_model(m=3, k=40, n=30), tmp_path, "dense")
+    dw = _save(conv_model(c=8, h=9, w=9, m=8, group=8, act="relu"), tmp_path, "dw")
+    first = _save(conv_model(c=3, h=9, w=9, m=16, stride=(2, 2), act="relu"), tmp_path, "first")
+    gemv = _save(dense_model(m=1, k=40, n=30), tmp_path, "gemv")
     f32 = [(conv, "conv2d_gemm"), (conv, "conv2d_igemm"), (conv, "conv2d_winograd2"), (conv1x1, "conv2d_gemmt"),
-           (dense, "dense_packed")]
+           (dense, "dense_packed"), (dw, "conv2d_dw"), (first, "conv2d_first"), (gemv, "dense_gemv")]
     for isa in ("avx2", "avx512", "ref"):
         with monkeypatch.context() as mp:
             use_host(mp, isa)

@@ -1,9 +1,12 @@
 """Static memory planning: every runtime tensor gets an offset in one arena.
 
 1. Buffers: a view (Reshape...) shares its input's buffer; an elementwise op writes in place
-   when its input's buffer dies there (and is not a graph input or output).
-2. Lifetimes: a buffer lives from the step that writes it to the last step that reads it; graph
-   inputs from step 0, graph outputs to the end. Kernel scratch lives for its one step.
+   when its input's buffer dies there (and is not a graph input or output). A node kernel
+   selection folded into a later kernel (its kernel is None and it is no view: the input
+   Transpose a first-layer kernel reads through, schedule/first.py) writes nothing.
+2. Lifetimes: a buffer lives from the step that writes it to the last step that reads it (what
+   the step's kernel takes: its arguments); graph inputs from step 0, graph outputs to the end.
+   Kernel scratch lives for its one step.
 3. Lower bound: the largest total size of buffers live during any one step. No plan can be
    smaller; the arena is reported next to it.
 4. Placement: greedy by size (largest first, lowest offset that fits beside everything it
@@ -55,10 +58,12 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) 
     for name in g.inputs:
         new_buffer([name], g.t(name).nbytes, 0).pinned = True
     for k, (n, kern) in enumerate(zip(g.nodes, kernels)):
-        for i in n.inputs:
+        d = REGISTRY[n.op]
+        if kern is None and not d.view:
+            continue
+        for i in _reads(n, kern):
             if i and i in owner:
                 owner[i].end = max(owner[i].end, k)
-        d = REGISTRY[n.op]
         x = n.inputs[0] if n.inputs else ""
         if d.view and x in owner:
             b = owner[x]
@@ -67,7 +72,7 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) 
             continue
         if (d.inplace and x in owner and not owner[x].pinned and owner[x].end == k
                 and not any(t in g.outputs for t in owner[x].tensors)   # outputs are pinned only below
-                and _last_use(g, owner[x], k) and g.t(x).nbytes == g.t(n.outputs[0]).nbytes):
+                and _last_use(g, kernels, owner[x], k) and g.t(x).nbytes == g.t(n.outputs[0]).nbytes):
             b = owner[x]
             b.tensors.append(n.outputs[0])
             owner[n.outputs[0]] = b
@@ -101,10 +106,16 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) 
     return Plan(offsets, total, lower, buffers)
 
 
-def _last_use(g: ir.Graph, b: Buffer, k: int) -> bool:
+def _reads(n: ir.Node, kern: Kernel | None) -> list[str]:
+    """What step n reads: its kernel's arguments (a kernel may read through a folded node), a
+    view's input."""
+    return n.inputs if kern is None else kern.args
+
+
+def _last_use(g: ir.Graph, kernels: list[Kernel | None], b: Buffer, k: int) -> bool:
     """No tensor of buffer b is read after step k (checked over the whole schedule)."""
     names = set(b.tensors)
-    return not any(names.intersection(n.inputs) for n in g.nodes[k + 1:])
+    return not any(names.intersection(_reads(n, kern)) for n, kern in zip(g.nodes[k + 1:], kernels[k + 1:]))
 
 
 def _place(order: list[Buffer]) -> int:

@@ -16,7 +16,7 @@ from tinydeploy import __version__, ir
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.codegen.cfmt import c_array_body, c_comment, c_ident, c_string_body, c_type
 from tinydeploy.errors import TinydeployError
-from tinydeploy.ops import Kernel
+from tinydeploy.ops import REGISTRY, Kernel
 from tinydeploy.planner import Plan
 
 BLOB_THRESHOLD = 8 << 20   # weights above this many bytes are emitted as one byte string
@@ -108,13 +108,13 @@ def _role_text(role: str, param: str, t: ir.Tensor, k: Kernel, isa: str) -> str:
     return role
 
 
-def _lifetimes(g: ir.Graph) -> dict[str, tuple[int, int]]:
+def _lifetimes(g: ir.Graph, kerns: list[Kernel | None]) -> dict[str, tuple[int, int]]:
     """(first, last) schedule step of every runtime tensor: written (graph inputs: 0) to last read
-    (graph outputs: the last step)."""
+    by a kernel (graph outputs: the last step)."""
     last = max(len(g.nodes) - 1, 0)
     life = {name: [0, 0] for name in g.inputs}
-    for step, n in enumerate(g.nodes):
-        for i in n.inputs:
+    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
+        for i in (n.inputs if k is None else k.args):
             if i in life:
                 life[i][1] = max(life[i][1], step)
         for o in n.outputs:
@@ -126,12 +126,13 @@ def _lifetimes(g: ir.Graph) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in life.items()}
 
 
-def _arena_macros(g: ir.Graph, plan: Plan, used: list[str], lookup: dict) -> tuple[dict[str, str], list[dict]]:
+def _arena_macros(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, used: list[str],
+                  lookup: dict) -> tuple[dict[str, str], list[dict]]:
     """TD_OFF_<tensor> for every arena tensor model.c uses, in order of first use: its offset, or,
     for a tensor sharing a buffer with an earlier one (a view, a result written in place), that
     tensor's macro."""
     owner = {nm: b for b in plan.buffers for nm in b.tensors}
-    life = _lifetimes(g)
+    life = _lifetimes(g, kerns)
     names, defs, first_of, taken = {}, [], {}, set()
     for name in used:
         if name in names:
@@ -257,14 +258,15 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             if not lookup[a].is_const:
                 used.append(a)
     used += list(g.outputs)
-    off, offsets = _arena_macros(g, plan, used, lookup)
+    off, offsets = _arena_macros(g, kerns, plan, used, lookup)
 
     for step, (n, k) in enumerate(zip(g.nodes, kerns)):
         ins = [i for i in n.inputs if i and not g.t(i).is_const]
         desc = (f"{step}: {n.onnx_op} \"{c_comment(n.name, 60)}\" "
                 + " ".join(_shape(g.t(i)) for i in ins) + " -> " + " ".join(_shape(g.t(o)) for o in n.outputs if o))
         if k is None:
-            layers.append({"comment": desc + " (view: no code)", "call": ""})
+            what = "view" if REGISTRY[n.op].view else "read through by a later layer's kernel"
+            layers.append({"comment": desc + f" ({what}: no code)", "call": ""})
             continue
         args = [wsym[a] if lookup[a].is_const else f"({c_type(lookup[a].dtype)} *)TD_AT({off[a]})" for a in k.args]
         layers.append({"comment": desc, "call": _call(calls[step][0], args)})

@@ -65,6 +65,7 @@ from tinydeploy.schedule import tuning
 from tinydeploy.schedule.conv import _select_conv, conv_choice, conv_costs, is_depthwise  # noqa: F401  (the face)
 from tinydeploy.schedule.cost import _algo_env, _isa, blocking, pick_tile, ranked_tiles  # noqa: F401
 from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
+from tinydeploy.schedule.first import drop_folded
 from tinydeploy.schedule.mcu import select_mcu
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
@@ -101,7 +102,7 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
             if choice is not None:
                 k.desc = k.desc.replace("] ", " tuned] " if forced is None else " candidate] ", 1)
         out.append(parallelise(g, step, k, threads))
-    return out
+    return drop_folded(out)
 
 
 def selection_state(target) -> str:

@@ -13,6 +13,8 @@ from tinydeploy.targets.isa import get_isa
 from tinydeploy.schedule.cost import (COPY_COST, GATHER_COST, GEMMT_MAX_K, IGEMM_L2_PENALTY, IGEMM_MAX_TAPS,
                                       IM2COL_FACTOR, MIN_MACS, PACK_COST, TILE_COST, _add_const, _isa, _round_up,
                                       pick_tile, tuned_blocking)
+from tinydeploy.schedule.depthwise import select_dw
+from tinydeploy.schedule.first import first_costs, select_first
 from tinydeploy.schedule.winograd import _select_winograd, winograd_applies, winograd_costs
 
 
@@ -59,6 +61,7 @@ def conv_costs(p: dict, isa: str, l1: int = 32768, l2: int = 524288) -> dict[str
         out["conv2d_igemm"] = p["N"] * G * (padded * spill + copy + tiles * (TILE_COST + mr * nr))
     if winograd_applies(p) and not (G == C and G > 1):
         out.update(winograd_costs(p, isa, l2))
+    out.update(first_costs(p, isa))
     return out
 
 
@@ -76,7 +79,8 @@ def conv_choice(p: dict, isa: str, force: str, l1: int = 32768, l2: int = 524288
     if force == "conv2d_dw":
         return "conv2d_dw" if depthwise else "ref"
     costs = conv_costs(p, isa, l1, l2)
-    if force in ("conv2d_gemm", "conv2d_igemm", "conv2d_gemmt", "conv2d_winograd2", "conv2d_winograd4"):
+    if force in ("conv2d_gemm", "conv2d_igemm", "conv2d_gemmt", "conv2d_winograd2", "conv2d_winograd4",
+                 "conv2d_first"):
         return force if force in costs else "conv2d_gemm"
     macs = p["N"] * M * p["OH"] * p["OW"] * (C // G) * p["KH"] * p["KW"]
     if macs < MIN_MACS:
@@ -117,19 +121,9 @@ def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str, choic
     algo = conv_choice(p, _isa("conv2d_gemm", target), choice["algo"] if choice else force,
                        int(getattr(target, "l1d_bytes", 32768)), int(getattr(target, "l2_bytes", 524288)))
     if algo == "conv2d_dw":
-        isa = _isa("conv2d_dw", target)
-        p.update(algo=algo, MULT=p["M"] // p["C"])
-        hp = (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] + 1
-        wp = (p["OW"] - 1) * p["SW"] + (p["KW"] - 1) * p["DW"] + 1
-        planes, flat = hp * wp, 0
-        if p["SH"] == p["SW"] == 1:
-            flat = _round_up((p["OH"] - 1) * wp + p["OW"], 16)
-        elif p["SH"] == p["SW"] == 2 and p["DH"] == p["DW"] == 1:    # 4 phase planes
-            planes = 4 * ((hp + 1) // 2) * ((wp + 1) // 2)
-            flat = _round_up((p["OH"] - 1) * ((wp + 1) // 2) + p["OW"], 16)
-        scratch = 4 * (planes + 2 * flat)      # planes, zero slack, flat accumulator
-        args = list(kern.args) + [scratch_arg(step)]
-        return Kernel("conv2d_dw", kern.dtype, p, args, scratch, f"[conv2d_dw {isa}] {kern.desc}", consts=consts)
+        return select_dw(kern, step, target)
+    if algo == "conv2d_first":
+        return select_first(g, step, kern, target)
     if algo == "conv2d_igemm":
         return _select_igemm(g, step, kern, target, choice)
     if algo == "conv2d_gemmt":

@@ -9,8 +9,9 @@ dense_packed) also kc, mc, nc halved or doubled. Each candidate is a one-layer O
 with the choice forced (tuning.forced). Builds run in parallel (a process pool: compiling is the
 slow part); timing runs one candidate at a time, since timing in parallel on a small shared
 machine measures the neighbours. Every candidate's outputs are checked against onnxruntime
-first; then all are timed, and the fastest few and the cost model's choice timed again (the
-better of the two medians counts, so a burst of load on the machine does not pick the winner).
+first; then all are timed in ROUNDS interleaved rounds, and the fastest few and the cost model's
+choice in RETIME_ROUNDS more (each keeps its best round's median, so a burst of load on the
+machine does not pick the winner).
 
 Where it measures (tinydeploy.runners.select_runner): the host natively; a Linux board over ssh
 (--ssh user@host, runners.ssh.SshRunner: each candidate's binary is copied over once and run
@@ -46,7 +47,9 @@ from tinydeploy.runners.harness import time_runs
 HOPELESS = 4.0          # algorithms estimated slower than this times the best are not measured
 TILES_PER_ALGO = 3
 BLOCKING_SCALES = ((0.5, 1, 1), (2, 1, 1), (1, 0.5, 1), (1, 1, 2))   # kc, mc, nc factors
-RETIME = 3              # the fastest RETIME candidates (and the cost model's) are timed twice
+RETIME = 3              # the fastest RETIME candidates (and the cost model's) are timed in more rounds
+ROUNDS = 3              # rounds over all candidates, interleaved; each keeps its fastest round
+RETIME_ROUNDS = 4       # further rounds over the fastest few
 # A candidate replaces the cost model's choice only when it saves more than MARGIN of its time
 # and more than MIN_GAIN_US: below that, one layer timed alone (warm caches, timer resolution)
 # says little about the layer inside its model (measured: MLPerf AD's sub-microsecond layers).
@@ -378,11 +381,16 @@ def _tune_layer(sig: str, kern, target, isa: str, board_id: str, runner, pool, w
         return None
     def time_us(c) -> float:
         return time_runs(runner, c["exe"], [feeds["x"]], out_specs, seconds, probe=3)[0] * 1000.0
-    for c in ok:
-        c["us"] = time_us(c)
+    # Interleaved rounds, each candidate keeping its fastest: on a shared machine the load changes
+    # within seconds, and a median timed once measures the neighbours as much as the kernel
+    # (seen: a 3 ms layer timed at 15 ms). The fastest few get more rounds.
+    for _ in range(ROUNDS):
+        for c in ok:
+            c["us"] = min(c.get("us", float("inf")), time_us(c))
     ranked = sorted(ok, key=lambda c: c["us"])
-    for c in [c for c in ok if c in ranked[:RETIME] or c["base"]]:
-        c["us"] = min(c["us"], time_us(c))
+    for _ in range(RETIME_ROUNDS):
+        for c in [c for c in ok if c in ranked[:RETIME] or c["base"]]:
+            c["us"] = min(c["us"], time_us(c))
     best = min(ok, key=lambda c: c["us"])
     base = next((c for c in ok if c["base"]), None)
     if base is not None and base["us"] - best["us"] <= max(MARGIN * base["us"], MIN_GAIN_US):
