@@ -101,6 +101,29 @@ def run_under_qemu(fw, inputs, out_specs, runs: int = 1, warmup: int = 0,
     return got["outputs"], instructions, details
 
 
+def run_models_under_qemu(fw, jobs, timeout: float = INFER_TIMEOUT_S) -> dict:
+    """Firmware holding several models (built by flow.build_library) under QEMU, booted once:
+    for each job (name, inputs, out_specs) `model NAME%`, then load, infer and read back as
+    run_under_qemu. Returns {name: (outputs, instructions per inference)}."""
+    from tinydeploy.runners.harness import pack_inputs
+    from tinydeploy.runners.qemu_system import Emulator
+    out = {}
+    with Emulator(fw.elf, fw.machine) as emu:
+        try:
+            dev = emu.boot(timeout=timeout, boot_timeout=60)
+            for name, inputs, out_specs in jobs:
+                dev.select_model(name)
+                got = infer(dev, pack_inputs(inputs), out_specs, 1, 0, timeout, stack=False)
+                out[name] = (got["outputs"], got["counts"].instructions)
+            dev.quit()
+        except TinydeployError as e:
+            raise emu.explain(e) from None
+        code = emu.wait(10)
+        if code not in (0, None):
+            raise TinydeployError(f"the firmware ended with exit code {code}")
+    return out
+
+
 class QemuSystemRunner(Runner):
     """Firmware under QEMU, started for each run. median_ms = instructions per inference / the
     board's clock (None without one): a lower bound on the real board."""
