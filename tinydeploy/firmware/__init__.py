@@ -297,8 +297,9 @@ def memory_report(elf: Path, c: Compiled | Image, board, machine=None) -> dict:
     models = c.models if isinstance(c, Image) else [c]
     if models[0].api is not None:
         per = model_memory(elf, [m.api.name for m in models], machine)
-        per["shared"] = {"flash_bytes": flash - sum(v["flash_bytes"] for v in per.values()),
-                         "ram_bytes": ram - sum(v["ram_bytes"] for v in per.values())}
+        every = {kind: main + sum(r["used_bytes"] for r in used.values() if r["kind"] == kind)
+                 for kind, main in (("flash", flash), ("ram", ram))}     # the board's other memories too
+        per["shared"] = {f"{k}_bytes": every[k] - sum(v[f"{k}_bytes"] for v in per.values()) for k in every}
         out["models"] = per
     return out
 
@@ -306,7 +307,8 @@ def memory_report(elf: Path, c: Compiled | Image, board, machine=None) -> dict:
 def model_memory(elf: Path, names: list[str], machine) -> dict:
     """Flash and RAM per model of an image, from its symbols (nm): each model's code, weights,
     arenas and contexts are named <name>_... Flash: its symbols in flash memories (and .data's
-    initial values); RAM: those in RAM memories, the main ones and the board's other regions.
+    initial values); RAM: those in RAM memories, the main one and the board's other regions
+    (weights placed in a RAM region count there).
     What belongs to no model (harness, port, C library, stack, the model table and a shared arena)
     memory_report counts as "shared": the image's totals minus the models'."""
     nm = machine.make_target().tool("nm")
