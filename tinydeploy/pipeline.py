@@ -218,13 +218,31 @@ class Image:
         return all(c.inputs_int8 for c in self.models)
 
 
+def _shapes_per_model(paths, shapes: dict) -> list[dict]:
+    """`--input-shape` of a build with several models: each pins the input of that name in every
+    model that has one; a name no model has is refused."""
+    import onnx
+    names = []
+    for p in paths:
+        try:
+            names.append({i.name for i in onnx.load(str(p), load_external_data=False).graph.input})
+        except Exception:  # noqa: BLE001 - the import reads it defensively and says what is wrong
+            names.append(set(shapes))
+    unknown = [n for n in shapes if not any(n in ns for ns in names)]
+    if unknown:
+        raise TinydeployError(f"--input-shape names {printable(unknown[0])!r}, which none of the models has as an input")
+    return [{k: v for k, v in shapes.items() if k in ns} for ns in names]
+
+
 def compile_image(paths, target: Target, apis: list[project.Api], share_arena: bool = False, state_pairs=None,
                   header: str = "", **kw) -> Image:
     """Each model in its library form (`apis`, one per path; `state_pairs` as compile_model's,
     for every model), then the model table over them. `kw`: compile_model's options."""
     from tinydeploy.codegen import image
-    models = [compile_model(p, target, api=a, state_pairs=state_pairs, states_required=len(apis) == 1, **kw)
-              for p, a in zip(paths, apis)]
+    shapes = kw.pop("input_shapes", None) or {}
+    per = [shapes] if len(paths) == 1 else _shapes_per_model(paths, shapes)
+    models = [compile_model(p, target, api=a, state_pairs=state_pairs, states_required=len(apis) == 1,
+                            input_shapes=s, **kw) for p, a, s in zip(paths, apis, per)]
     table = image.generate([image.ImageModel(
         c.api.name, c.names["model_h"], c.api.arena == "static", c.arena_bytes, target.alignment,
         tuple(c.graph.t(n).nbytes for n in c.graph.inputs if n not in dict(c.states)),

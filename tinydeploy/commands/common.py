@@ -124,6 +124,8 @@ def print_library_summary(s: dict) -> None:
               f"RAM {fw['ram_used_bytes']:,} of {fw['ram_bytes']:,} B (stack reserve {fw['stack_reserved_bytes']:,} B)")
         for name, r in fw.get("regions", {}).items():
             print(f"    {name}: {r['used_bytes']:,} of {r['bytes']:,} B")
+        if fw.get("models") and fw.get("regions"):
+            print("    per model, the memories above included:")
         for name, m in fw.get("models", {}).items():
             print(f"    {name}: flash {m['flash_bytes']:,} B, RAM {m['ram_bytes']:,} B"
                   + (" (harness, port, C library, model table)" if name == "shared" else ""))
