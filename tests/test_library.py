@@ -246,10 +246,11 @@ def test_scratch_section_takes_the_scratch_out_of_the_arena():
     assert '__attribute__((section(".fast")))' in text and "TD_SCRATCH_AT(TD_OFF_scratch_l1)" in text
 
 
-@pytest.mark.models
 def test_shared_arena_saves_the_smaller_one(tmp_path):
-    kws, ic = mlperf_model("kws_dscnn_int8.onnx"), mlperf_model("ic_resnet8_int8.onnx")
-    r = cli_run(tmp_path, "build", kws, ic, "--name", "kws", "--name", "ic", "--share-arena", "-o", "p", timeout=900)
+    big = tiny_model(tmp_path / "big.onnx")
+    small = tmp_path / "small.onnx"
+    small.write_bytes(tiny_model(tmp_path / "t.onnx").read_bytes())
+    r = cli_run(tmp_path, "build", big, small, "--share-arena", "-o", "p", timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     m = re.search(r"one arena shared by the models: ([\d,]+) B instead of ([\d,]+) B \(saves ([\d,]+) B\)", r.stdout)
     assert m, r.stdout
@@ -257,7 +258,15 @@ def test_shared_arena_saves_the_smaller_one(tmp_path):
     arenas = [x["arena_bytes"] for x in json.loads((tmp_path / "p" / ".tinydeploy.json").read_text())["summary"]["models"]]
     assert separate - shared == saved > 0 and shared == max(arenas) and separate == sum(arenas)
     table = (tmp_path / "p" / "td_models.c").read_text()
-    assert "td_shared_arena" in table and "kws_ctx_init(&td_ctx_0, td_shared_arena.bytes" in table
+    assert "td_shared_arena" in table and "big_ctx_init(&td_ctx_0, td_shared_arena.bytes" in table
+    x = reference.random_inputs([("x", (1, 3, 8, 8), np.dtype(np.float32))], 0)
+    (tmp_path / "in.bin").write_bytes(x["x"].tobytes())
+    want = reference.run_onnxruntime(big.read_bytes(), x)
+    for name in ("small", "big", "small"):       # each selection sets its context on the shared arena
+        subprocess.run([str(tmp_path / "p" / "model_run"), name, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+                       check=True, timeout=60)
+        got = [np.frombuffer((tmp_path / "out.bin").read_bytes(), np.float32).reshape(1, 10)]
+        assert reference.compare(got, want, flow.FP32_RTOL)["outputs_match"]
 
 
 @pytest.mark.parametrize("args,facts", [

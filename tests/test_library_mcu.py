@@ -129,3 +129,17 @@ def test_sections_go_to_the_main_memories_where_the_board_has_no_such_region(tmp
     assert flashy.region_for(".qspi.weights", "flash")["name"] == "QSPI"
     with pytest.raises(TinydeployError, match="written at run time"):
         flashy.region_for(".qspi.arena", "ram")
+
+
+@pytest.mark.parametrize("library", [[], ["--name", "tiny"]])
+def test_platformio_firmware_into_a_relative_folder(tmp_path, library):
+    """PlatformIO names the ELF by its absolute path; the marker keeps it relative to -o (which was
+    an internal error for a relative -o, as the default build/<model>-<board>/ is)."""
+    import json
+    from test_bad_input import cli_run
+    require("pio")
+    tiny_model(tmp_path / "tiny.onnx")
+    r = cli_run(tmp_path, "build", "--board", "nano33ble", "tiny.onnx", "-o", "fw", *library, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    marker = json.loads((tmp_path / "fw" / ".tinydeploy.json").read_text())
+    assert marker["artifact"] == ".pio/build/nano33ble/firmware.elf"

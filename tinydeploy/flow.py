@@ -170,7 +170,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
         summary["elf"] = str(fw.elf)
     # The key goes in last, so an interrupted build is never taken for an up-to-date one.
     bld.write_marker(outdir, "firmware" if board.is_mcu else "host", hashes, key=key,
-                     artifact=str(artifact.relative_to(outdir)), summary=summary)
+                     artifact=_inside(artifact, outdir), summary=summary)
     return BuildResult(outdir, artifact, c, False, summary, fw)
 
 
@@ -282,7 +282,7 @@ def build_library(models, board="host", outdir=None, lib: Library | None = None,
     if fw is not None:
         summary["firmware"] = {k: v for k, v in fw.memory.items() if k != "sections"}
         summary["elf"] = str(fw.elf)
-    bld.write_marker(outdir, "firmware" if board.is_mcu else "host", hashes, artifact=str(artifact.relative_to(outdir)),
+    bld.write_marker(outdir, "firmware" if board.is_mcu else "host", hashes, artifact=_inside(artifact, outdir),
                      summary=summary)
     return BuildResult(outdir, artifact, image, False, summary, fw)
 
@@ -306,6 +306,11 @@ def library_summary(models: list[Path], board_id: str, outdir: Path, image, file
         out["separate_arena_bytes"] = image.separate_arena_bytes
         out["shared_saving_bytes"] = image.separate_arena_bytes - image.arena_bytes
     return out
+
+
+def _inside(artifact: Path, outdir: Path) -> str:
+    """The build's artifact relative to its folder (PlatformIO names it by its absolute path)."""
+    return str(Path(artifact).resolve().relative_to(Path(outdir).resolve()))
 
 
 def _dequantized_scale(g, name: str) -> float | None:
