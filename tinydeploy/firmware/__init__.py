@@ -193,7 +193,7 @@ def _library_facts(c: Compiled | Image) -> dict | None:
     models = c.models if isinstance(c, Image) else [c]
     if models[0].api is None:
         return None
-    return {"models": [{"name": m.api.name, "file": m.model, "files": m.sources + m.headers, "arena": m.api.arena,
+    return {"models": [{"name": m.api.name, "file": printable(m.model, 80), "files": m.sources + m.headers, "arena": m.api.arena,
                         "arena_bytes": m.arena_bytes} for m in models],
             "share": isinstance(c, Image) and c.share_arena, "select": len(models) > 1}
 
