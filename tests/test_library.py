@@ -299,3 +299,18 @@ def test_default_names_come_from_the_file_names(tmp_path):
     b = flow.build_library([m], "host", tmp_path / "p", flow.Library(), quiet=True)
     assert b.summary["models"][0]["name"] == "m3_conv_model_v2"
     assert (b.outdir / "m3_conv_model_v2_model.h").is_file()
+
+
+def test_library_form_is_byte_identical_for_the_same_inputs(tmp_path):
+    import onnx
+    from tinydeploy.codegen.project import Api
+    from tinydeploy.pipeline import compile_image
+    path = tmp_path / "s.onnx"
+    onnx.save(make_streaming.build(seed=2), path)
+    other = tiny_model(tmp_path / "t.onnx")
+
+    def image():
+        apis = [Api("s", arena_section=".a", weights_section=".w"), Api("t", arena_section=".a", weights_section=".w")]
+        return compile_image([path, other], get_target("cortex-m4"), apis, state_pairs="auto", header="/* @FILE@ */")
+    a, b = image(), image()
+    assert a.files == b.files and set(a.files) >= {"model.h", "td_models.c", "s_model.c", "t_weights.h"}
