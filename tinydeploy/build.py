@@ -150,21 +150,30 @@ def build_key(sha256: str, board: str, options: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def host_files(header_line: str, header: str, target: Target, threads: int = 1) -> dict[str, str]:
+CLASSIC_SOURCES = ["model.c", "td_kernels.c", "td_weights.c"]
+CLASSIC_HEADERS = ["model.h", "td_kernels.h", "td_runtime.h", "td_weights.h"]
+
+
+def host_files(header_line: str, header: str, target: Target, threads: int = 1, sources=None, headers=None,
+               multi: bool = False) -> dict[str, str]:
     """main.c, and a Makefile and a CMakeLists.txt that build it with the same flags: both are
-    rendered from target.cflags, so they cannot drift apart."""
+    rendered from target.cflags, so they cannot drift apart. `sources` / `headers`: the model's
+    files (default: the classic ones); `multi`: an image of several models (main.c takes the
+    model's name first)."""
+    sources, headers = sources or CLASSIC_SOURCES, headers or CLASSIC_HEADERS
     env = kreg.env()
     flags = list(target.cflags)
     plain = re.compile(r"^[A-Za-z0-9_=+.,:/-]+$")     # nothing make, a shell or CMake would interpret
     if not all(plain.match(f) for f in [*flags, *target.ldlibs]):
         raise TinydeployError(f"target {target.name}: compiler flags must be plain words: {printable(' '.join(flags))}")
     return {
-        "main.c": env.get_template("host/main.c.j2").render(header=header),
+        "main.c": env.get_template("host/main.c.j2").render(header=header, multi=multi),
         "Makefile": env.get_template("host/Makefile.j2").render(header_line=c_comment(header_line, 200),
-                                                                cflags=" ".join(flags), threads=threads),
+                                                                cflags=" ".join(flags), threads=threads,
+                                                                sources=sources, headers=headers),
         "CMakeLists.txt": env.get_template("host/CMakeLists.txt.j2").render(
             header_line=c_comment(header_line.replace("Makefile", "CMakeLists.txt", 1), 200), cflags=flags,
-            ldlibs=target.ldlibs),
+            ldlibs=target.ldlibs, sources=sources),
     }
 
 
@@ -175,9 +184,9 @@ def with_threads(target: Target, threads: int) -> Target:
 
 
 def compile_host(outdir: Path, target: Target, extra_cflags: list[str] | None = None, cc: str | None = None,
-                 exe: str = "model_run") -> Path:
+                 exe: str = "model_run", sources=None) -> Path:
     compiler = cc or target.compiler()
-    srcs = ["main.c", "model.c", "td_kernels.c", "td_weights.c"]
+    srcs = ["main.c", *(sources or CLASSIC_SOURCES)]
     cmd = [compiler, *target.cflags, *(extra_cflags or []), "-o", exe, *srcs, *target.ldlibs]
     try:
         r = subprocess.run(cmd, cwd=outdir, capture_output=True, text=True, timeout=1800)

@@ -170,8 +170,147 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
         summary["elf"] = str(fw.elf)
     # The key goes in last, so an interrupted build is never taken for an up-to-date one.
     bld.write_marker(outdir, "firmware" if board.is_mcu else "host", hashes, key=key,
-                     artifact=str(artifact.relative_to(outdir)), summary=summary)
+                     artifact=_inside(artifact, outdir), summary=summary)
     return BuildResult(outdir, artifact, c, False, summary, fw)
+
+
+@dataclass
+class Library:
+    """The library form of `build` (`--name` and the options beside it; codegen/project.py Api):
+    names one per model (None: from the file names), the arena ("static" or "caller"), the
+    sections, the state pairs ([(in, out)] or "auto"), one arena shared by several models, and
+    the model's packages for other build systems (tinydeploy/packages.py)."""
+    names: list[str] | None = None
+    arena: str = "static"
+    arena_section: str | None = None
+    weights_section: str | None = None
+    scratch_section: str | None = None
+    states: list | str | None = None
+    share_arena: bool = False
+    package: bool = False
+
+
+def library_apis(models: list[Path], lib: Library):
+    """One project.Api per model, checked: names (given, or from the file names) that are C
+    prefixes and cannot clash, sections the linker can place, options that go together."""
+    from tinydeploy.codegen.cfmt import c_prefix, c_prefix_problem, c_section_problem
+    from tinydeploy.codegen.project import Api
+    if lib.names and len(lib.names) != len(models):
+        raise TinydeployError(f"--name was given {len(lib.names)} times for {len(models)} models: give one name per "
+                              "model, in the order of the models, or none (names then come from the file names)")
+    names = list(lib.names) if lib.names else [c_prefix(m.stem) for m in models]
+    for n in lib.names or []:
+        why = c_prefix_problem(n)
+        if why:
+            raise TinydeployError(f"--name {printable(n, 40)!r}: {why}")
+    for a in names:
+        for b in names:
+            if a is not b and (a.lower() == b.lower() or b.lower().startswith(a.lower() + "_")):
+                raise TinydeployError(f"model names {a!r} and {b!r} would clash in C ({b}_... names start like "
+                                      f"{a}_..., and macros are upper case): give other names with --name")
+    for opt, sec in (("--arena-section", lib.arena_section), ("--weights-section", lib.weights_section),
+                     ("--scratch-section", lib.scratch_section)):
+        why = sec is not None and c_section_problem(sec)
+        if why:
+            raise TinydeployError(f"{opt} {printable(sec, 40)!r}: {why}")
+    if lib.arena not in ("static", "caller"):
+        raise TinydeployError(f"--arena {printable(str(lib.arena), 20)!r}: use static or caller")
+    if lib.scratch_section and (lib.arena == "caller" or lib.share_arena):
+        raise TinydeployError("--scratch-section gives each model a static scratch arena that every context of it "
+                              "uses, so it goes with the model's own static arena: leave out --arena caller "
+                              "and --share-arena, or --scratch-section")
+    if lib.share_arena and len(models) < 2:
+        raise TinydeployError("--share-arena puts several models on one arena: give two or more models")
+    if lib.states and lib.share_arena:
+        raise TinydeployError("--share-arena: models that keep state between runs (--state) keep it in their arena, "
+                              "which the other models would overwrite; build them without --share-arena")
+    if lib.states and lib.states != "auto" and len(models) > 1:
+        raise TinydeployError("--state IN=OUT names the tensors of one model; with several models use --state auto "
+                              "(each input X_in with an output X_out)")
+    arena = "caller" if lib.share_arena else lib.arena
+    return [Api(n, arena, lib.arena_section, lib.weights_section, lib.scratch_section) for n in names]
+
+
+def build_library(models, board="host", outdir=None, lib: Library | None = None, force: bool = False,
+                  input_shapes=None, command: str = "", quiet: bool = False, extra_cflags=None, cc=None,
+                  emulate: bool = False, builder: str | None = None, max_weights_bytes=None) -> BuildResult:
+    """`build` in the library form: one or more models (each named, with its own symbols, files
+    and contexts) behind the model table in one program: a host harness binary (several models:
+    `model_run NAME IN.bin OUT.bin`) or one firmware whose harness selects the model by name
+    (`model NAME%`), with flash and RAM per model; with lib.package, the models' packages in
+    `package/<name>/`. compiled is pipeline.Image."""
+    from tinydeploy import packages
+    from tinydeploy.codegen.project import ModelInfo, header
+    from tinydeploy.frontend.importer import sha256_file
+    from tinydeploy.pipeline import compile_image
+    lib = lib or Library()
+    models = [Path(m) for m in models]
+    for m in models:
+        if not m.is_file():
+            raise TinydeployError(f"model file {printable(str(m))!r} does not exist or is not a file")
+    board = boards.get_board(board)
+    target = board.make_target()
+    emulate = emulate and board.is_mcu and not board.is_qemu_machine
+    builder = builder or ("make" if emulate or board.is_qemu_machine else "pio")
+    apis = library_apis(models, lib)
+    outdir = Path(outdir) if outdir else Path("build") / (
+        "-".join(a.name for a in apis)[:64] + f"-{board.id}" + ("-emulated" if emulate else ""))
+    log = (lambda m: None) if quiet else progress
+    previous = bld.claim_outdir(outdir, force)
+    log(f"compiling {', '.join(printable(m.name) for m in models)} for {board.id}{' (emulated)' if emulate else ''} "
+        f"as {', '.join(a.name for a in apis)}")
+    info = ModelInfo(" + ".join(m.name for m in models), " ".join(sha256_file(m) for m in models), command, board.id)
+    image = compile_image(models, target, apis, lib.share_arena, lib.states, header(info, "@FILE@"),
+                          input_shapes=input_shapes, command=command, board=board.id,
+                          max_weights_bytes=max_weights_bytes)
+    extra = packages.package_files(image, board, command) if lib.package else {}
+    fw = None
+    if board.is_mcu:
+        from tinydeploy import firmware
+        log(f"building firmware with {builder} in {outdir}")
+        fw = firmware.build_firmware(image, board, outdir, emulate=emulate, force=force, builder=builder, extra=extra)
+        artifact, hashes = fw.elf, bld.read_marker(outdir).get("files", {})
+    else:
+        files = image.files | extra
+        files.update(bld.host_files(f"Makefile -- generated by tinydeploy for {image.model}",
+                                    header(info, "main.c: host harness"), target, sources=image.sources,
+                                    headers=image.headers, multi=len(image.models) > 1))
+        hashes = bld.write_files(outdir, files, previous, force)
+        log(f"wrote {len(files)} files to {outdir}; compiling")
+        artifact = bld.compile_host(outdir, target, extra_cflags, cc, sources=image.sources)
+    summary = library_summary(models, board.id, outdir, image, sorted(hashes))
+    if fw is not None:
+        summary["firmware"] = {k: v for k, v in fw.memory.items() if k != "sections"}
+        summary["elf"] = str(fw.elf)
+    bld.write_marker(outdir, "firmware" if board.is_mcu else "host", hashes, artifact=_inside(artifact, outdir),
+                     summary=summary)
+    return BuildResult(outdir, artifact, image, False, summary, fw)
+
+
+def library_summary(models: list[Path], board_id: str, outdir: Path, image, files) -> dict:
+    """`build`'s summary of a library-form image: per model (its name, arena, states and the usual
+    summary), and the image's totals; a shared arena with what it saves."""
+    per = []
+    for path, c in zip(models, image.models):
+        s = _summary(path, board_id, outdir, c, files)
+        s.update(name=c.api.name, arena=c.api.arena, scratch_bytes=c.plan.scratch_bytes,
+                 states=[[i, o, o in c.plan.aliased] for i, o in c.states],
+                 inputs=[x for x in s["inputs"] if x[0] not in dict(c.states)],
+                 outputs=[x for x in s["outputs"] if x[0] not in dict(c.states).values()])
+        s["output_lsb"] = [_dequantized_scale(c.graph, n) for n, _, _ in s["outputs"]]
+        per.append(s)
+    out = {"model": image.model, "board": board_id, "outdir": str(outdir), "models": per, "files": sorted(files),
+           "weights_bytes": image.weights_bytes, "arena_bytes": image.arena_bytes,
+           "scratch_bytes": image.scratch_bytes, "share_arena": image.share_arena}
+    if image.share_arena:
+        out["separate_arena_bytes"] = image.separate_arena_bytes
+        out["shared_saving_bytes"] = image.separate_arena_bytes - image.arena_bytes
+    return out
+
+
+def _inside(artifact: Path, outdir: Path) -> str:
+    """The build's artifact relative to its folder (PlatformIO names it by its absolute path)."""
+    return str(Path(artifact).resolve().relative_to(Path(outdir).resolve()))
 
 
 def _dequantized_scale(g, name: str) -> float | None:

@@ -11,6 +11,16 @@
    smaller; the arena is reported next to it.
 4. Placement: greedy by size (largest first, lowest offset that fits beside everything it
    overlaps in time). A few orders are tried and the smallest arena kept.
+
+Two requests of the library form (codegen/project.py Api) change the rules:
+- State pairs (in, out): a model that carries state as an input/output pair keeps it in the
+  arena between runs, so the state input's buffer lives for the whole run. The state output
+  shares that buffer (no copy after the run) when the step that writes it is the first after
+  the last read of the state, or an in-place step reading it; else it gets its own buffer and
+  the run copies it back.
+- Scratch apart: the kernels' scratch goes into a second arena (each scratch lives for its one
+  step, so that arena is the largest scratch), e.g. a small fast RAM, and the arena holds the
+  tensors alone.
 """
 from __future__ import annotations
 
@@ -37,16 +47,22 @@ class Plan:
     arena_bytes: int
     lower_bound: int
     buffers: list[Buffer]
+    scratch_bytes: int = 0        # the scratch arena (scratch apart), else 0
+    apart: frozenset = frozenset()            # names whose offset is in the scratch arena
+    aliased: frozenset = frozenset()          # state outputs sharing their state input's bytes
 
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) -> Plan:
+def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
+                states: tuple[tuple[str, str], ...] = (), scratch_apart: bool = False) -> Plan:
     steps = len(g.nodes)
     owner: dict[str, Buffer] = {}
     buffers: list[Buffer] = []
+    state_of = {o: i for i, o in states}       # state output -> its state input
+    aliased, apart = set(), []
 
     def new_buffer(names: list[str], size: int, start: int) -> Buffer:
         b = Buffer(len(buffers), _align(max(size, 1), alignment), start, start, list(names))
@@ -65,24 +81,35 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) 
             if i and i in owner:
                 owner[i].end = max(owner[i].end, k)
         x = n.inputs[0] if n.inputs else ""
-        if d.view and x in owner:
+        alias = (n.outputs[0] if len(n.outputs) == 1 and n.outputs[0] in state_of and not d.view
+                 and _can_alias(g, n, d, owner[state_of[n.outputs[0]]], k) else "")
+        if alias:       # the new state is written over the old one: no copy after the run
+            owner[state_of[alias]].tensors.append(alias)
+            owner[alias] = owner[state_of[alias]]
+            aliased.add(alias)
+        elif d.view and x in owner:
             b = owner[x]
             b.tensors.append(n.outputs[0])
             owner[n.outputs[0]] = b
             continue
-        if (d.inplace and x in owner and not owner[x].pinned and owner[x].end == k
+        elif (d.inplace and x in owner and not owner[x].pinned and owner[x].end == k
                 and not any(t in g.outputs for t in owner[x].tensors)   # outputs are pinned only below
                 and _last_use(g, kernels, owner[x], k) and g.t(x).nbytes == g.t(n.outputs[0]).nbytes):
             b = owner[x]
             b.tensors.append(n.outputs[0])
             owner[n.outputs[0]] = b
             continue
-        for o in n.outputs:
-            if o:
-                new_buffer([o], g.t(o).nbytes, k)
+        else:
+            for o in n.outputs:
+                if o:
+                    new_buffer([o], g.t(o).nbytes, k)
         if kern is not None and kern.scratch_bytes:
-            new_buffer([f"#scratch{k}"], kern.scratch_bytes, k)
-    for name in g.outputs:
+            if scratch_apart:
+                apart.append(Buffer(-1, _align(kern.scratch_bytes, alignment), k, k, [f"#scratch{k}"]))
+            else:
+                new_buffer([f"#scratch{k}"], kern.scratch_bytes, k)
+    # graph outputs, and the state inputs (their bytes carry the state to the next run), live to the end
+    for name in [*g.outputs, *(i for i, _ in states)]:
         if name in owner:
             owner[name].end = max(steps - 1, owner[name].end)
             owner[name].pinned = True
@@ -103,7 +130,19 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) 
     for b in buffers:
         b.offset = offs[b.id]
     offsets = {nm: b.offset for b in buffers for nm in b.tensors}
-    return Plan(offsets, total, lower, buffers)
+    offsets.update({b.tensors[0]: 0 for b in apart})     # each scratch alone in its step
+    return Plan(offsets, total, lower, buffers, max((b.size for b in apart), default=0),
+                frozenset(b.tensors[0] for b in apart), frozenset(aliased))
+
+
+def _can_alias(g: ir.Graph, n: ir.Node, d, b: Buffer, k: int) -> bool:
+    """Step k (node n) may write its one output over buffer b (a state input): the output has
+    b's size, nothing reads b after step k, and step k reads b not at all or only as the first
+    operand of an operator that works in place."""
+    if g.t(n.outputs[0]).nbytes != g.t(b.tensors[0]).nbytes or not _last_use(g, b, k):
+        return False
+    reads = [j for j, i in enumerate(n.inputs) if i in b.tensors]
+    return not reads or (reads == [0] and d.inplace)
 
 
 def _reads(n: ir.Node, kern: Kernel | None) -> list[str]:

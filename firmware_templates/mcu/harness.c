@@ -26,6 +26,9 @@
  *                      cycles on the nRF52840; ticks where nothing better exists)
  *   stack%             m-stack-used-U-of-R bytes (stack painted at reset)
  *   quit%              m-bye, then port_exit(0) (ends an emulator; resets a real board)
+ *   model NAME%        images with several models (TD_MODEL_SELECT, model.h): m-model-selected-[NAME];
+ *                      the following commands act on that model; model% lists them:
+ *                      m-models-[a b ...]-selected-[NAME]
  * The input buffer holds every model input back to back (td_input_bytes(0) + ...); each
  * inference copies it into the model's inputs first, so repeated runs see the same data.
  */
@@ -98,6 +101,8 @@
 #define TD_IN_TOTAL (TD_IN_BYTES_0 + TD_IN_BYTES_1 + TD_IN_BYTES_2 + TD_IN_BYTES_3 + \
                      TD_IN_BYTES_4 + TD_IN_BYTES_5 + TD_IN_BYTES_6 + TD_IN_BYTES_7)
 
+#ifndef TD_OUT_DTYPE   /* model.h may give the types at run time (an image of several models) */
+#define TD_OUT_DTYPE(i) td_out_dtype[i]
 static const unsigned char td_out_dtype[TD_NUM_OUTPUTS] = {
     TD_OUTPUT0_DTYPE
 #if TD_NUM_OUTPUTS > 1
@@ -122,6 +127,7 @@ static const unsigned char td_out_dtype[TD_NUM_OUTPUTS] = {
     , TD_OUTPUT7_DTYPE
 #endif
 };
+#endif
 
 /* The input buffer the host loads (aligned for any element type). */
 static union {
@@ -401,14 +407,14 @@ static void print_results(void)
     for (i = 0; i < TD_NUM_OUTPUTS; ++i) {
         const void *o = td_output(i);
         const size_t n = td_output_bytes(i);
-        if (td_out_dtype[i] == TD_FLOAT32) {
+        if (TD_OUT_DTYPE(i) == TD_FLOAT32) {
             for (k = 0; k < n / sizeof(float); ++k, first = 0) {
                 float v;
                 memcpy(&v, (const unsigned char *)o + k * sizeof v, sizeof v);
                 put(first ? "" : ",");
                 put_f32(v);
             }
-        } else if (td_out_dtype[i] == TD_INT32) {
+        } else if (TD_OUT_DTYPE(i) == TD_INT32) {
             for (k = 0; k < n / sizeof(int32_t); ++k, first = 0) {
                 int32_t v;
                 memcpy(&v, (const unsigned char *)o + k * sizeof v, sizeof v);
@@ -419,7 +425,7 @@ static void print_results(void)
             for (k = 0; k < n; ++k, first = 0) {
                 const unsigned char b = ((const unsigned char *)o)[k];
                 put(first ? "" : ",");
-                put_i32(td_out_dtype[i] == TD_INT8 ? (int32_t)(signed char)b : (int32_t)b);
+                put_i32(TD_OUT_DTYPE(i) == TD_INT8 ? (int32_t)(signed char)b : (int32_t)b);
             }
         }
     }
@@ -611,6 +617,33 @@ static void cmd_rawout(void)
     }
 }
 
+#ifdef TD_MODEL_SELECT
+static void cmd_model(char **tok, int n)
+{
+    int k;
+    if (n == 1) {
+        put("m-models-[");
+        for (k = 0; k < TD_NUM_MODELS; ++k) {
+            put(k ? " " : "");
+            put(td_model_name(k));
+        }
+        put("]-selected-[");
+        put(td_model_name(td_current_model()));
+        line("]");
+    } else if (n == 2 && td_select_model(tok[1]) == 0) {
+        db_expect = 0;
+        have_results = 0;
+        put("m-model-selected-[");
+        put(tok[1]);
+        line("]");
+    } else if (n == 2) {
+        error2("unknown model: ", tok[1]);
+    } else {
+        error("usage: model NAME");
+    }
+}
+#endif
+
 static void execute(void)
 {
     char *tok[4];
@@ -672,6 +705,10 @@ static void execute(void)
         put("-of-");
         put_u32(reserved);
         endl();
+#ifdef TD_MODEL_SELECT
+    } else if (!strcmp(tok[0], "model")) {
+        cmd_model(tok, n);
+#endif
     } else if (!strcmp(tok[0], "quit") && n == 1) {
         line("m-bye");
         port_exit(0);

@@ -36,6 +36,53 @@ def c_ident(s: str, limit: int = 40) -> str:
     return s or "x"
 
 
+# The library form's prefix (`--name`): every exported symbol, macro and file of a model starts
+# with it. Letters, digits and single underscores, a letter first; `td` is tinydeploy's own
+# (the classic API and the image's model table), and the prefix must stay short enough that
+# `<prefix>_<role>` names remain readable.
+PREFIX_MAX = 32
+_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)*")
+
+
+def c_prefix_problem(name: str) -> str | None:
+    """Why `name` cannot be a model's C prefix, or None when it can."""
+    if not _PREFIX.fullmatch(name) or len(name) > PREFIX_MAX:
+        return (f"must be a C identifier of at most {PREFIX_MAX} characters: letters, digits and single "
+                "underscores, a letter first")
+    if name.lower() == "td" or name.lower().startswith("td_"):
+        return "td and td_... are tinydeploy's own names"
+    return None
+
+
+def c_prefix(stem: str) -> str:
+    """A model's default C prefix from an untrusted file stem: lower case, every run of other
+    characters one underscore, a leading "m" before a digit, shortened at a word boundary;
+    "m_" before a name tinydeploy keeps for itself."""
+    s = re.sub(r"[^a-z0-9]+", "_", stem.lower()).strip("_") or "model"
+    if s[0].isdigit():
+        s = "m" + s
+    if len(s) > PREFIX_MAX:
+        s = s[:PREFIX_MAX]
+        s = (s[:s.rindex("_")] if "_" in s[PREFIX_MAX // 2:] else s).strip("_")
+    return f"m_{s}"[:PREFIX_MAX].strip("_") if c_prefix_problem(s) else s
+
+
+_SECTION = re.compile(r"\.?[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*")
+
+
+def c_section_problem(name: str) -> str | None:
+    """Why `name` cannot be a linker section (a GCC section attribute and a linker-script
+    pattern), or None: dot-separated words of letters, digits and underscores, at most 64
+    characters, never one of the toolchain's own (.text, .data, .bss, .rodata and their
+    subsections, which the linker script already places)."""
+    if not _SECTION.fullmatch(name) or len(name) > 64:
+        return "must be dot-separated words of letters, digits and underscores (e.g. .dtcm or .qspi.weights)"
+    if name.split(".")[1 if name.startswith(".") else 0] in ("text", "data", "bss", "rodata", "stack", "isr_vector",
+                                                              "ARM", "init", "fini"):
+        return "names a section the linker script already places; choose a name of your own"
+    return None
+
+
 def c_float(v: float) -> str:
     """An exact float literal: 9 significant digits round-trip every float32."""
     v = float(v)

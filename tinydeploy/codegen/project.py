@@ -4,6 +4,12 @@ Files: model.h (the API), model.c (arena + schedule), td_kernels.c/.h (one speci
 per distinct layer), td_runtime.h (the helpers the kernels share), td_weights.c/.h (const
 arrays). Output depends only on the inputs: no timestamps, dict orders follow the schedule,
 numbers are printed exactly.
+
+The library form (`Api`, from `--name` and the options beside it) names every exported symbol,
+macro and file after the model (kws_model.h, kws_ctx_run(), KWS_ARENA_BYTES, kws_kernels.c, ...),
+so that several models link into one program, and adds a context per instance (its arena,
+static or the caller's, and the state a model carries between runs), sections for the arena,
+the weights and the kernels' scratch. Without it the files are the classic single-model API.
 """
 from __future__ import annotations
 
@@ -22,6 +28,38 @@ from tinydeploy.planner import Plan
 BLOB_THRESHOLD = 8 << 20   # weights above this many bytes are emitted as one byte string
 _ONNX_DTYPE = {np.dtype(np.float32): "TD_FLOAT32", np.dtype(np.uint8): "TD_UINT8",
                np.dtype(np.int8): "TD_INT8", np.dtype(np.int32): "TD_INT32"}
+ONNX_DTYPE = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, np.dtype(np.int32): 6}
+
+
+@dataclass(frozen=True)
+class Api:
+    """The library form of a model's C. `name` is the prefix of every exported symbol, macro
+    and file (checked by cfmt.c_prefix_problem); `arena` "static" (the model owns one static
+    arena; contexts may also bring their own) or "caller" (every context brings its arena);
+    the sections are GCC section attributes on the static arena, the weights and the kernels'
+    scratch (which then has a static arena of its own); `states` pairs (state input, state
+    output) the model carries from one run to the next in its context."""
+    name: str
+    arena: str = "static"
+    arena_section: str | None = None
+    weights_section: str | None = None
+    scratch_section: str | None = None
+    states: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def macro(self) -> str:
+        return self.name.upper()
+
+
+def file_names(api: Api | None) -> dict[str, str]:
+    """The generated files by role: the classic names, or the library form's <name>_*."""
+    if api is None:
+        return {"model_h": "model.h", "model_c": "model.c", "kernels_c": "td_kernels.c", "kernels_h": "td_kernels.h",
+                "runtime_h": "td_runtime.h", "weights_c": "td_weights.c", "weights_h": "td_weights.h"}
+    p = api.name
+    return {"model_h": f"{p}_model.h", "model_c": f"{p}_model.c", "kernels_c": f"{p}_kernels.c",
+            "kernels_h": f"{p}_kernels.h", "runtime_h": f"{p}_runtime.h", "weights_c": f"{p}_weights.c",
+            "weights_h": f"{p}_weights.h"}
 
 
 @dataclass
@@ -149,6 +187,9 @@ def _arena_macros(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, used: lis
             steps = f"steps {a}..{z}"
             what = f"\"{c_comment(name, 60)}\" {np.dtype(t.dtype).name} {_shape(t)}, {t.nbytes} B"
         names[name] = macro
+        if name in plan.apart:          # in the scratch arena, alone in its step
+            defs.append({"macro": macro, "value": "0", "comment": c_comment(f"{what}, in the scratch arena", 200)})
+            continue
         b = owner[name]
         if b.id in first_of:
             value, what = first_of[b.id], what + f", same bytes as {first_of[b.id]}"
@@ -157,6 +198,22 @@ def _arena_macros(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, used: lis
             first_of[b.id] = macro
         defs.append({"macro": macro, "value": value, "comment": c_comment(f"{what}, {steps}", 200)})
     return names, defs
+
+
+def _io(kind: str, index: int, t: ir.Tensor, offset: str) -> dict:
+    """What the API templates say about one input, output or state: its type, size, shape and
+    the macro of its offset in the arena."""
+    return {"kind": kind, "index": index, "dtype": _ONNX_DTYPE[np.dtype(t.dtype)], "elements": t.size,
+            "bytes": t.nbytes, "shape": list(t.shape), "offset": offset,
+            "comment": f"\"{c_comment(t.name, 60)}\" {np.dtype(t.dtype).name} {_shape(t)}"}
+
+
+def _state_zero(t: ir.Tensor) -> int:
+    """The byte a reset state is filled with: 0 (0.0f for float32), or an 8-bit state's zero
+    point when the graph says it (the state then means 0.0)."""
+    if np.dtype(t.dtype).itemsize == 1 and t.quant is not None and np.size(t.quant.zero_point) == 1:
+        return int(np.asarray(t.quant.zero_point).reshape(-1)[0]) & 0xFF
+    return 0
 
 
 def _call(fn: str, args: list[str], indent: int = 4, width: int = 100) -> str:
@@ -205,7 +262,9 @@ def _runtime_needs(needs: set) -> dict:
 
 
 def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInfo, isas: list[str],
-             alignment: int, macs: int) -> dict[str, str]:
+             alignment: int, macs: int, api: Api | None = None) -> dict[str, str]:
+    p = api.name if api else "td"                        # the prefix of exported C names
+    names = file_names(api)
     # Kernels: render each layer's specialisation once; #include lines go to the top of the file,
     # the td_runtime.h helpers the calls use are collected.
     funcs, by_source, counters, includes, needs = [], {}, {}, [], set()
@@ -219,7 +278,7 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
         if fn is None:
             num = counters.get((k.family, k.dtype), 0)
             counters[(k.family, k.dtype)] = num + 1
-            fn = f"td_{k.family}_{k.dtype}_{num}"
+            fn = f"{p}_{k.family}_{k.dtype}_{num}"
             by_source[source] = fn
             text = _hoist_includes(source.replace("@FN@", fn), includes)
             proto = text[:text.index("\n{")].strip()
@@ -244,7 +303,7 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             t = k.tensor(a, g)
             if t.is_const and a not in wsym:
                 role = _role(param, params)
-                wsym[a] = _unique(f"td_l{step}_{stem}", taken, f"_{role}")
+                wsym[a] = _unique(f"{p}_l{step}_{stem}", taken, f"_{role}")
                 winfo[a] = c_comment(f"layer {step} ({n.onnx_op}) {_role_text(role, param, t, k, isa)}", 160)
                 weights.append(t)
     weights_bytes = sum(t.nbytes for t in weights)
@@ -268,18 +327,24 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             what = "view" if REGISTRY[n.op].view else "read through by a later layer's kernel"
             layers.append({"comment": desc + f" ({what}: no code)", "call": ""})
             continue
-        args = [wsym[a] if lookup[a].is_const else f"({c_type(lookup[a].dtype)} *)TD_AT({off[a]})" for a in k.args]
+        args = [wsym[a] if lookup[a].is_const else
+                f"({c_type(lookup[a].dtype)} *)TD_{'SCRATCH_' if a in plan.apart else ''}AT({off[a]})" for a in k.args]
         layers.append({"comment": desc, "call": _call(calls[step][0], args)})
 
+    states = dict(api.states) if api else {}
     ios = []
-    for kind, names in (("input", g.inputs), ("output", g.outputs)):
-        for i, name in enumerate(names):
-            t = g.t(name)
-            ios.append({"kind": kind, "index": i, "dtype": _ONNX_DTYPE[np.dtype(t.dtype)], "elements": t.size,
-                        "bytes": t.nbytes, "shape": list(t.shape), "offset": off[name],
-                        "comment": f"\"{c_comment(name, 60)}\" {np.dtype(t.dtype).name} {_shape(t)}"})
+    for kind, tensors in (("input", [i for i in g.inputs if i not in states]),
+                          ("output", [o for o in g.outputs if o not in states.values()])):
+        for i, name in enumerate(tensors):
+            ios.append(_io(kind, i, g.t(name), off[name]))
     inputs = [io for io in ios if io["kind"] == "input"]
     outputs = [io for io in ios if io["kind"] == "output"]
+    state_list = []
+    for i, (si, so) in enumerate(states.items()):
+        st = _io("state", i, g.t(si), off[si])
+        st.update(out_offset=off[so], aliased=so in plan.aliased or off[so] == off[si], fill=_state_zero(g.t(si)),
+                  comment=f"{st['comment']} -> \"{c_comment(so, 60)}\"")
+        state_list.append(st)
 
     wlist, end = [], 0
     for t in weights:
@@ -302,26 +367,44 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     del view
 
     env = kreg.env()
-    common = {"version": __version__, "sha256": info.sha256}
+    P = p.upper()
+    lib = api is not None
+    common = {"version": __version__, "sha256": info.sha256, "p": p, "P": P, "lib": lib, "files": names}
+    arena_static = not lib or api.arena == "static"
+    sections = []          # (macro, section, what it holds) of model.c's section attributes
+    if lib and api.arena_section and arena_static:
+        sections.append({"macro": "TD_ARENA_SECTION", "name": api.arena_section, "what": "the static arena"})
+    if lib and api.scratch_section and plan.apart:
+        sections.append({"macro": "TD_SCRATCH_SECTION", "name": api.scratch_section, "what": "the scratch arena"})
+    wsection = api.weights_section if lib else None
+    uses = {"arena": any(lay["call"] for lay in layers)}
     files = {
-        "model.h": env.get_template("model.h.j2").render(
-            header=header(info, "model.h: the model's API"), arena_bytes=plan.arena_bytes,
+        names["model_h"]: env.get_template("model.h.j2").render(
+            header=header(info, f"{names['model_h']}: the model's API"), arena_bytes=plan.arena_bytes,
             lower_bound=plan.lower_bound, weights_bytes=weights_bytes, num_layers=len(calls),
-            num_steps=len(g.nodes), macs=macs, inputs=inputs, outputs=outputs, **common),
-        "model.c": env.get_template("model.c.j2").render(
-            header=header(info, "model.c: arena and layer schedule"), layers=layers, inputs=inputs,
-            outputs=outputs, arena_bytes=plan.arena_bytes, alignment=alignment, offsets=offsets),
-        "td_kernels.c": env.get_template("kernels.c.j2").render(
-            header=header(info, "td_kernels.c: specialised layer kernels"), kernels=funcs, includes=includes,
-            used_docs=sorted(w[1] for w in needs if w[0] == "doc")),
-        "td_kernels.h": env.get_template("kernels.h.j2").render(
-            header=header(info, "td_kernels.h"), kernels=funcs),
-        "td_runtime.h": env.get_template("runtime.h.j2").render(
-            header=header(info, "td_runtime.h: helpers shared by the kernels"), **_runtime_needs(needs)),
-        "td_weights.h": env.get_template("weights.h.j2").render(
-            header=header(info, "td_weights.h"), weights=wlist, blob=blob, blob_bytes=max(len(blob_data), 1)),
-        "td_weights.c": env.get_template("weights.c.j2").render(
-            header=header(info, "td_weights.c: constant weights"), weights=wlist, blob=blob,
-            blob_text=c_string_body(blob_data) if blob else ""),
+            num_steps=len(g.nodes), macs=macs, inputs=inputs, outputs=outputs, states=state_list,
+            alignment=alignment, arena_static=arena_static, scratch_bytes=plan.scratch_bytes, **common),
+        names["model_c"]: env.get_template("model.c.j2").render(
+            header=header(info, f"{names['model_c']}: arena and layer schedule"), layers=layers, inputs=inputs,
+            outputs=outputs, arena_bytes=plan.arena_bytes, alignment=alignment, offsets=offsets, states=state_list,
+            arena_static=arena_static, arena_sym=f"{p}_arena" if lib else "td_arena", sections=sections,
+            scratch_bytes=plan.scratch_bytes, run_head=f"static void {p}_layers(unsigned char *arena)" if lib
+            else "void td_run(void)", uses=uses, **common),
+        names["kernels_c"]: env.get_template("kernels.c.j2").render(
+            header=header(info, f"{names['kernels_c']}: specialised layer kernels"), kernels=funcs,
+            includes=includes, used_docs=sorted(w[1] for w in needs if w[0] == "doc"), **common),
+        names["kernels_h"]: env.get_template("kernels.h.j2").render(
+            header=header(info, names["kernels_h"]), kernels=funcs, **common),
+        names["runtime_h"]: env.get_template("runtime.h.j2").render(
+            header=header(info, f"{names['runtime_h']}: helpers shared by the kernels"), P=P, **_runtime_needs(needs)),
+        names["weights_h"]: env.get_template("weights.h.j2").render(
+            header=header(info, names["weights_h"]), weights=wlist, blob=blob, blob_bytes=max(len(blob_data), 1),
+            **common),
+        names["weights_c"]: env.get_template("weights.c.j2").render(
+            header=header(info, f"{names['weights_c']}: constant weights"), weights=wlist, blob=blob,
+            blob_text=c_string_body(blob_data) if blob else "", section=wsection, **common),
     }
+    if lib:     # the kernels' comments name the classic files
+        for f in (names["kernels_c"], names["runtime_h"]):
+            files[f] = files[f].replace("td_runtime.h", names["runtime_h"]).replace("td_kernels.c", names["kernels_c"])
     return files

@@ -16,8 +16,11 @@ class Context:
     max_weights_bytes: int | None
 
 
-def model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="ONNX model file")
+def model_options(p: argparse.ArgumentParser, several: bool = False) -> None:
+    if several:
+        p.add_argument("model", nargs="+", help="ONNX model file (several: one program with all of them)")
+    else:
+        p.add_argument("model", help="ONNX model file")
     p.add_argument("--board", default="host", help="board id (see `tinydeploy boards`; default host)")
     p.add_argument("--input-shape", action="append", metavar="NAME=1x3x224x224",
                    help="pin an input's shape (repeatable); a symbolic batch dimension defaults to 1")
@@ -96,4 +99,34 @@ def print_summary(s: dict) -> None:
     if fw:
         print(f"  firmware {s['elf']}: flash {fw['flash_used_bytes']:,} of {fw['flash_bytes']:,} B, "
               f"RAM {fw['ram_used_bytes']:,} of {fw['ram_bytes']:,} B (stack reserve {fw['stack_reserved_bytes']:,} B)")
+    print(f"  files: {', '.join(s['files'])}")
+
+
+def print_library_summary(s: dict) -> None:
+    """`build`'s summary of the library form: each model, the arenas (shared: with the saving),
+    and for firmware flash and RAM per model and in all, against the board."""
+    print(f"{len(s['models'])} model{'s' * (len(s['models']) > 1)} -> {printable(s['outdir'])} ({s['board']})")
+    for m in s["models"]:
+        states = "".join(f"; state {printable(i, 40)} <- {printable(o, 40)} ({'aliased, no copy' if a else 'copied'})"
+                         for i, o, a in m["states"])
+        scratch = f", scratch arena {m['scratch_bytes']:,} B" if m["scratch_bytes"] else ""
+        print(f"  {m['name']} ({printable(m['model'])}): layers {m['layers']}, MACs {m['macs']:,}, weights "
+              f"{m['weights_bytes']:,} B, arena {m['arena_bytes']:,} B{' (the caller' + chr(39) + 's)' if m['arena'] == 'caller' else ''} "
+              f"(lower bound {m['lower_bound_bytes']:,} B){scratch}{states}")
+        for n in m["notes"]:
+            print(f"    note: {n}")
+    if s["share_arena"]:
+        print(f"  one arena shared by the models: {s['arena_bytes']:,} B instead of {s['separate_arena_bytes']:,} B "
+              f"(saves {s['shared_saving_bytes']:,} B)")
+    fw = s.get("firmware")
+    if fw:
+        print(f"  firmware {s['elf']}: flash {fw['flash_used_bytes']:,} of {fw['flash_bytes']:,} B, "
+              f"RAM {fw['ram_used_bytes']:,} of {fw['ram_bytes']:,} B (stack reserve {fw['stack_reserved_bytes']:,} B)")
+        for name, r in fw.get("regions", {}).items():
+            print(f"    {name}: {r['used_bytes']:,} of {r['bytes']:,} B")
+        if fw.get("models") and fw.get("regions"):
+            print("    per model, the memories above included:")
+        for name, m in fw.get("models", {}).items():
+            print(f"    {name}: flash {m['flash_bytes']:,} B, RAM {m['ram_bytes']:,} B"
+                  + (" (harness, port, C library, model table)" if name == "shared" else ""))
     print(f"  files: {', '.join(s['files'])}")

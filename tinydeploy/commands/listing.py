@@ -14,7 +14,8 @@ def main(args, ctx: Context) -> int:
         from tinydeploy.targets.boards import load_all
         for b in load_all().values():
             mem = f"  RAM {b.ram_bytes // 1024} KB, flash {b.flash_bytes // 1024} KB" if b.ram_bytes else ""
-            print(f"{b.id:<16} {b.name}  [target {b.target}, runs via {b.runner}]{mem}")
+            regions = "".join(f", {r['name']} {r['bytes'] // 1024} KB {r['kind']}" for r in b.memory_regions)
+            print(f"{b.id:<16} {b.name}  [target {b.target}, runs via {b.runner}]{mem}{regions}")
         return 0
     import onnx
     from tinydeploy.ops import REGISTRY

@@ -10,6 +10,7 @@ The project folder builds without tinydeploy (`make`); the firmware speaks the M
 EnergyRunner protocol (firmware_templates/mcu/harness.c), so the open runner drives it unchanged."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -23,7 +24,7 @@ import numpy as np
 
 from tinydeploy import __version__
 from tinydeploy import build as bld
-from tinydeploy.pipeline import Compiled
+from tinydeploy.pipeline import Compiled, Image
 from tinydeploy.targets import boards
 from tinydeploy.targets.boards import Board
 from tinydeploy.codegen import kernels as kreg
@@ -32,8 +33,6 @@ from tinydeploy.errors import TinydeployError
 
 MCU_TEMPLATES = kreg.TEMPLATES / "mcu"
 COMMON = ["harness.c", "harness.h", "port.h", "startup_cortex_m.c"]
-MODEL_SOURCES = ["model.c", "td_kernels.c", "td_weights.c"]
-MODEL_HEADERS = ["model.h", "td_kernels.h", "td_runtime.h", "td_weights.h"]
 
 
 # ---- boards ---------------------------------------------------------------------------------
@@ -45,10 +44,12 @@ def mcu_board(board) -> Board:
 
 # ---- the model's facts, from the compiler's contract ------------------------------------------
 
-def model_facts(c: Compiled) -> dict:
-    """What the firmware needs to know of a compiled model (pipeline.Compiled)."""
+def model_facts(c: Compiled | Image) -> dict:
+    """What the firmware needs to know of a compiled model (pipeline.Compiled), or of several in
+    one image (pipeline.Image): arena_bytes holds every activation arena, scratch arenas apart."""
+    scratch = c.scratch_bytes if isinstance(c, Image) else c.plan.scratch_bytes
     return {"model": c.model, "weights_bytes": c.weights_bytes, "arena_bytes": c.arena_bytes,
-            "input_bytes": c.input_bytes, "inputs_int8": c.inputs_int8}
+            "input_bytes": c.input_bytes, "inputs_int8": c.inputs_int8, "scratch_bytes": scratch}
 
 
 @lru_cache(maxsize=1)
@@ -89,10 +90,11 @@ def check_fits(c: Compiled, board) -> None:
     if f["weights_bytes"] > board.flash_bytes:
         raise _too_big(f, board, "flash", f["weights_bytes"], board.flash_bytes,
                        f"weights alone {_kb(f['weights_bytes'])}, before code")
-    ram = f["arena_bytes"] + f["input_bytes"] + stack
+    ram = f["arena_bytes"] + f["scratch_bytes"] + f["input_bytes"] + stack
     if ram > board.ram_bytes:
+        scratch = f" + scratch arena {f['scratch_bytes']:,} B" if f["scratch_bytes"] else ""
         raise _too_big(f, board, "RAM", ram, board.ram_bytes,
-                       f"arena {f['arena_bytes']:,} B + input buffer {f['input_bytes']:,} B + stack {stack:,} B")
+                       f"arena {f['arena_bytes']:,} B{scratch} + input buffer {f['input_bytes']:,} B + stack {stack:,} B")
 
 
 # ---- the project folder ---------------------------------------------------------------------
@@ -101,7 +103,42 @@ def _render(name: str, **kw) -> str:
     return kreg.env().get_template(f"mcu/{name}").render(version=__version__, **kw)
 
 
-def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | None = None,
+def _harness_profile(c: Compiled | Image) -> tuple[str, str]:
+    """The harness_config.h values that depend on the model: its MLPerf Tiny id, and whether the
+    EnergyRunner's uint8 image bytes become int8 inputs (several models: per selected model)."""
+    models = c.models if isinstance(c, Image) else [c]
+    sub = [bool(profile(m.model).get("db_subtract_128")) and m.inputs_int8 for m in models]
+    ident = "+".join(model_id(m.model) for m in models)
+    if len(models) == 1:
+        return ident, str(int(sub[0]))
+    mask = sum(1 << k for k, v in enumerate(sub) if v)
+    return ident, f"((0x{mask:x}u >> td_current_model()) & 1u)"
+
+
+def sections_placed(c: Compiled | Image, machine: Board) -> list[dict]:
+    """The sections of its own a build asks for (--arena-section, --scratch-section,
+    --weights-section) and the memory region each goes into (Board.region_for): dicts name,
+    what, load (has contents in the image), region."""
+    models = c.models if isinstance(c, Image) else [c]
+    out, seen = [], set()
+    for m in models:
+        api = m.api
+        if api is None:
+            continue
+        for name, what, load in ((api.arena_section, "arena", False), (api.scratch_section, "scratch", False),
+                                 (api.weights_section, "weights", True)):
+            if name and (name, load) not in seen:
+                seen.add((name, load))
+                if name in {s["name"] for s in out}:
+                    raise TinydeployError(f"section {printable(name)} is asked for both the weights and an arena; "
+                                          "the weights are loaded with the image and the arenas are not: give them "
+                                          "sections of their own")
+                out.append({"name": name, "what": what, "load": load,
+                            "region": machine.region_for(name, "flash" if load else "ram")})
+    return out
+
+
+def project_files(c: Compiled | Image, board_id, emulate: bool = False, dut_name: str | None = None,
                   bulk_timeout_ms: int | None = None) -> dict[str, str]:
     """Relative path -> text of the firmware project for `board_id` (emulate: for the QEMU machine
     that stands in for it, with the board's own memory limits)."""
@@ -113,22 +150,29 @@ def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | 
     if not (MCU_TEMPLATES / port).is_file():
         raise TinydeployError(f"boards/{machine.id}.json names port {machine.port!r} but {port} does not exist")
     title = f"firmware for {facts['model']} on {board.id}" + (f" (emulated by {machine.id})" if emulate else "")
-    out = {f"src/{n}": c.files[n] for n in MODEL_SOURCES + MODEL_HEADERS}
+    files = c.files
+    out = {f"src/{n}": files[n] for n in c.sources + c.headers}
     for n in COMMON + [port]:
         out[f"src/{n}"] = (MCU_TEMPLATES / n).read_text()
     if bulk_timeout_ms is None:   # QEMU's virtual time runs slower than real time while polling
         bulk_timeout_ms = int((machine.qemu or {}).get("bulk_timeout_ms", 2000))
+    ident, subtract = _harness_profile(c)
     out["src/harness_config.h"] = _render("harness_config.h.j2", dut_name=dut_name or f"tinydeploy {board.id}",
-                                          model_id=model_id(facts["model"]), bulk_timeout_ms=int(bulk_timeout_ms),
-                                          db_subtract_128=int(bool(profile(facts["model"]).get("db_subtract_128"))
-                                                              and facts["inputs_int8"]))
+                                          model_id=ident, bulk_timeout_ms=int(bulk_timeout_ms),
+                                          db_subtract_128=subtract)
+    # Sections of the build's own go into the regions the board lists (emulating: only those the
+    # board itself has, so the image is laid out as on the board).
+    regions = machine if not emulate else dataclasses.replace(machine, memory_regions=tuple(
+        r for r in machine.memory_regions if r["name"] in {b["name"] for b in board.memory_regions}))
+    placed = sections_placed(c, regions)
+    extra = [r for r in {s["region"]["name"]: s["region"] for s in placed}.values() if r["name"] not in ("FLASH", "RAM")]
     # Emulating: the machine's memory map, the board's sizes (so the link fails as on the board).
     out["link.ld"] = _render("link.ld.j2", title=title, board_id=board.id,
                              flash_origin=machine.flash_origin, ram_origin=machine.ram_origin,
                              flash_bytes=min(board.flash_bytes, machine.flash_bytes),
                              ram_bytes=min(board.ram_bytes, machine.ram_bytes),
-                             stack_bytes=board.stack_bytes)
-    sources = [f"src/{n}" for n in ["harness.c", "startup_cortex_m.c", port] + MODEL_SOURCES]
+                             stack_bytes=board.stack_bytes, regions=extra, placed=placed)
+    sources = [f"src/{n}" for n in ["harness.c", "startup_cortex_m.c", port] + c.sources]
     upload = None if emulate else board.upload
     qemu = machine.qemu if machine.is_qemu_machine else None
     out["Makefile"] = _render("Makefile.j2", title=title, cflags=" ".join(target.cflags), sources=sources,
@@ -139,24 +183,37 @@ def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | 
         extras.append("arduino/port_arduino.cpp")
     out["README.md"] = _render("README.md.j2", title=title, board=board, machine=machine, emulate=emulate,
                                facts=facts, port=port, qemu=qemu, upload=upload, extras=extras,
-                               cflags=" ".join(target.cflags), model_id=model_id(facts["model"]))
+                               cflags=" ".join(target.cflags), model_id=ident, library=_library_facts(c),
+                               placed=placed)
     return out
 
 
-def write_project(outdir, c: Compiled, board_id, emulate: bool = False, force: bool = False, **kw) -> Path:
+def _library_facts(c: Compiled | Image) -> dict | None:
+    """What README.md says of library-form models (None: the classic one)."""
+    models = c.models if isinstance(c, Image) else [c]
+    if models[0].api is None:
+        return None
+    return {"models": [{"name": m.api.name, "file": printable(m.model, 80), "files": m.sources + m.headers, "arena": m.api.arena,
+                        "arena_bytes": m.arena_bytes} for m in models],
+            "share": isinstance(c, Image) and c.share_arena, "select": len(models) > 1}
+
+
+def write_project(outdir, c: Compiled | Image, board_id, emulate: bool = False, force: bool = False,
+                  extra: dict[str, str] | None = None, **kw) -> Path:
     """The firmware project folder (build.py writes it: no file the user changed is overwritten,
-    no symlink followed, unchanged files keep their timestamps for make)."""
+    no symlink followed, unchanged files keep their timestamps for make); `extra`: more files
+    for it (relative path -> text), e.g. the model's packages."""
     outdir = Path(outdir)
     previous = bld.claim_outdir(outdir, force)
     board = mcu_board(board_id)
-    hashes = bld.write_files(outdir, project_files(c, board, emulate, **kw), previous, force)
+    hashes = bld.write_files(outdir, project_files(c, board, emulate, **kw) | (extra or {}), previous, force)
     bld.write_marker(outdir, "firmware", hashes, board=board.id, emulate=emulate)
     return outdir
 
 
 # ---- building and measuring -----------------------------------------------------------------
 
-_OVERFLOW = re.compile(r"region [`']?(FLASH|RAM)'? overflowed by (\d+) bytes")
+_OVERFLOW = re.compile(r"region [`']?([A-Z][A-Z0-9_]*)'? overflowed by (\d+) bytes")
 
 
 def make(outdir: Path, board: dict, jobs: int = 2) -> Path:
@@ -205,27 +262,75 @@ def sections(elf: Path, board: dict) -> list[dict]:
     return out
 
 
-def memory_report(elf: Path, c: Compiled, board, machine=None) -> dict:
+def memory_report(elf: Path, c: Compiled | Image, board, machine=None) -> dict:
     """Flash = everything loaded into the image (code, constants and weights, .data's initial
-    values); RAM = .stack reserve + .data + .bss (which holds the arena and input buffer)."""
+    values); RAM = .stack reserve + .data + .bss (which holds the arena and input buffer), in the
+    board's main FLASH and RAM; `regions`: what sections of the build's own (--arena-section, ...)
+    use of the board's other memories; `models`: per library-form model, its own symbols."""
     machine = machine or board
     fo, ro = machine.flash_origin, machine.ram_origin
     flash = ram = 0
     secs = sections(elf, machine)
+    regions = {r["name"]: dict(r, used_bytes=0) for r in machine.memory_regions}
     for s in secs:
         if s["load"] and fo <= s["lma"] < fo + machine.flash_bytes:
             flash += s["size"]
         if ro <= s["vma"] < ro + machine.ram_bytes:
             ram += s["size"]
+        for r in regions.values():
+            if r["origin"] <= s["vma"] < r["origin"] + r["bytes"]:
+                r["used_bytes"] += s["size"]
     facts = model_facts(c)
     stack = next((s["size"] for s in secs if s["name"] == ".stack"), 0)
-    return {"board": board.id, "built_for": machine.id,
-            "flash_used_bytes": flash, "flash_bytes": board.flash_bytes,
-            "ram_used_bytes": ram, "ram_bytes": board.ram_bytes,
-            "stack_reserved_bytes": stack, "arena_bytes": facts["arena_bytes"],
-            "weights_bytes": facts["weights_bytes"], "input_buffer_bytes": facts["input_bytes"],
-            "fits": flash <= board.flash_bytes and ram <= board.ram_bytes,
-            "sections": {s["name"]: s["size"] for s in secs}}
+    used = {k: {"used_bytes": r["used_bytes"], "bytes": r["bytes"], "kind": r["kind"]}
+            for k, r in regions.items() if r["used_bytes"]}
+    out = {"board": board.id, "built_for": machine.id,
+           "flash_used_bytes": flash, "flash_bytes": board.flash_bytes,
+           "ram_used_bytes": ram, "ram_bytes": board.ram_bytes,
+           "stack_reserved_bytes": stack, "arena_bytes": facts["arena_bytes"],
+           "weights_bytes": facts["weights_bytes"], "input_buffer_bytes": facts["input_bytes"],
+           "fits": flash <= board.flash_bytes and ram <= board.ram_bytes
+           and all(r["used_bytes"] <= r["bytes"] for r in used.values()),
+           "sections": {s["name"]: s["size"] for s in secs}}
+    if used:
+        out["regions"] = used
+    models = c.models if isinstance(c, Image) else [c]
+    if models[0].api is not None:
+        per = model_memory(elf, [m.api.name for m in models], machine)
+        every = {kind: main + sum(r["used_bytes"] for r in used.values() if r["kind"] == kind)
+                 for kind, main in (("flash", flash), ("ram", ram))}     # the board's other memories too
+        per["shared"] = {f"{k}_bytes": every[k] - sum(v[f"{k}_bytes"] for v in per.values()) for k in every}
+        out["models"] = per
+    return out
+
+
+def model_memory(elf: Path, names: list[str], machine) -> dict:
+    """Flash and RAM per model of an image, from its symbols (nm): each model's code, weights,
+    arenas and contexts are named <name>_... Flash: its symbols in flash memories (and .data's
+    initial values); RAM: those in RAM memories, the main one and the board's other regions
+    (weights placed in a RAM region count there).
+    What belongs to no model (harness, port, C library, stack, the model table and a shared arena)
+    memory_report counts as "shared": the image's totals minus the models'."""
+    nm = machine.make_target().tool("nm")
+    r = subprocess.run([nm, "-S", "--defined-only", str(elf)], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        raise TinydeployError(f"cannot read the symbols of {elf}: {printable(r.stderr.strip(), 200)}")
+    rams = [(machine.ram_origin, machine.ram_bytes)] + [(x["origin"], x["bytes"]) for x in machine.memory_regions
+                                                        if x["kind"] == "ram"]
+    out = {n: {"flash_bytes": 0, "ram_bytes": 0} for n in names}
+    for ln in r.stdout.splitlines():
+        parts = ln.split()
+        if len(parts) != 4:
+            continue
+        addr, size, kind, sym = int(parts[0], 16), int(parts[1], 16), parts[2], parts[3]
+        owner = next((n for n in names if sym.startswith(n + "_")), None)
+        if owner is None:
+            continue
+        in_ram = any(o <= addr < o + b for o, b in rams)
+        out[owner]["ram_bytes" if in_ram else "flash_bytes"] += size
+        if in_ram and kind in "dD":       # initialised data: its values are in flash too
+            out[owner]["flash_bytes"] += size
+    return out
 
 
 @dataclass
@@ -237,7 +342,7 @@ class Firmware:
     memory: dict
 
 
-def build_firmware(c: Compiled, board_id, outdir=None, emulate: bool = False,
+def build_firmware(c: Compiled | Image, board_id, outdir=None, emulate: bool = False,
                    force: bool = False, builder: str = "make", **kw) -> Firmware:
     """Writes the project (Makefile and platformio.ini), refuses a model that cannot fit, builds
     it with `builder` ("make" or "pio": PlatformIO, offline) and measures it."""

@@ -72,22 +72,29 @@ def instructions_per_tick(machine, tick_hz: int) -> Fraction:
     return Fraction(10 ** 9, tick_hz * 2 ** shift)
 
 
-def run_under_qemu(fw, inputs, out_specs, runs: int = 1, warmup: int = 0,
-                   timeout: float = INFER_TIMEOUT_S) -> tuple[list, int, dict]:
-    """Runs a built firmware under QEMU on `inputs`: (outputs, instructions per inference,
-    details: ticks_per_inference, tick_hz, runs, stack_used_bytes, counts, log)."""
+def _booted(fw, work, timeout: float):
+    """Boots a built firmware under QEMU, hands the booted protocol Device to work(dev), ends the
+    firmware (quit%) and checks its exit code: (what work returned, the device)."""
     from tinydeploy.runners.qemu_system import Emulator
-    data = input_data(fw.memory, inputs)
     with Emulator(fw.elf, fw.machine) as emu:
         try:
             dev = emu.boot(timeout=timeout, boot_timeout=60)
-            got = infer(dev, data, out_specs, runs, warmup, timeout)
+            result = work(dev)
             dev.quit()
         except TinydeployError as e:
             raise emu.explain(e) from None
         code = emu.wait(10)
         if code not in (0, None):
             raise TinydeployError(f"the firmware ended with exit code {code}")
+    return result, dev
+
+
+def run_under_qemu(fw, inputs, out_specs, runs: int = 1, warmup: int = 0,
+                   timeout: float = INFER_TIMEOUT_S) -> tuple[list, int, dict]:
+    """Runs a built firmware under QEMU on `inputs`: (outputs, instructions per inference,
+    details: ticks_per_inference, tick_hz, runs, stack_used_bytes, counts, log)."""
+    data = input_data(fw.memory, inputs)
+    got, dev = _booted(fw, lambda dev: infer(dev, data, out_specs, runs, warmup, timeout), timeout)
     counts = got["counts"]
     if counts.instructions is not None:
         if counts.count_min != counts.count_max:
@@ -99,6 +106,22 @@ def run_under_qemu(fw, inputs, out_specs, runs: int = 1, warmup: int = 0,
     details = {"ticks_per_inference": counts.ticks_per_run, "tick_hz": counts.tick_hz, "runs": counts.runs,
                "stack_used_bytes": got["stack_used_bytes"], "counts": counts, "log": dev.log}
     return got["outputs"], instructions, details
+
+
+def run_models_under_qemu(fw, jobs, timeout: float = INFER_TIMEOUT_S) -> dict:
+    """Firmware holding several models (built by flow.build_library) under QEMU, booted once:
+    for each job (name, inputs, out_specs) `model NAME%`, then load, infer and read back as
+    run_under_qemu. Returns {name: (outputs, instructions per inference)}."""
+    from tinydeploy.runners.harness import pack_inputs
+
+    def each(dev):
+        out = {}
+        for name, inputs, out_specs in jobs:
+            dev.select_model(name)
+            got = infer(dev, pack_inputs(inputs), out_specs, 1, 0, timeout, stack=False)
+            out[name] = (got["outputs"], got["counts"].instructions)
+        return out
+    return _booted(fw, each, timeout)[0]
 
 
 class QemuSystemRunner(Runner):

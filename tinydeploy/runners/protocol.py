@@ -270,6 +270,18 @@ class Device:
         m = self._match(self.command("stack"), r"^m-stack-used-(\d+)-of-(\d+)$", "stack")
         return int(m[1]), int(m[2])
 
+    def select_model(self, name: str) -> None:
+        """Firmware with several models: `model NAME%` makes the following commands act on it."""
+        lines = self.command(f"model {name}")
+        if f"m-model-selected-[{name}]" not in lines:
+            raise TinydeployError(f"the board did not select model {printable(name, 40)!r}: "
+                                  f"{printable(' | '.join(lines), 200)}")
+
+    def models(self) -> tuple[list[str], str]:
+        """The models of a firmware with several, and the selected one (`model%`)."""
+        m = self._match(self.command("model"), r"^m-models-\[(.*)\]-selected-\[(.*)\]$", "model")
+        return m.group(1).split(), m.group(2)
+
     def quit(self, timeout: float = 5.0) -> None:
         self.write(b"quit%")
         self.expect(r"^m-bye$", timeout)

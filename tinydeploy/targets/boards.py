@@ -50,6 +50,7 @@ class Board:
     serial_baud: int = 115200
     power_monitor: dict | None = None
     platformio: dict | None = None
+    memory_regions: tuple = ()      # dicts: name, kind ("ram" or "flash"), origin, bytes, notes
 
     # ---- what kind of board -----------------------------------------------------------------
     @property
@@ -111,6 +112,23 @@ class Board:
             changes["l2_bytes"] = self.l2_bytes
         return dataclasses.replace(t, **changes)
 
+    def region_for(self, section: str, kind: str) -> dict:
+        """Where a firmware section of its own goes: the memory region named by its first word
+        (".psram.weights" -> PSRAM, any case), else the main one (kind "ram": RAM, "flash": FLASH);
+        a region of flash for something written at run time is refused."""
+        word = section.lstrip(".").split(".")[0].upper()
+        for r in self.memory_regions:
+            if r["name"] == word:
+                if kind == "ram" and r["kind"] != "ram":
+                    raise TinydeployError(f"section {printable(section)} names the {r['kind']} region {r['name']} of "
+                                          f"{self.id}, but it is written at run time: choose a RAM region "
+                                          f"({', '.join(x['name'] for x in self.memory_regions if x['kind'] == 'ram') or 'none'}) "
+                                          "or another name (then it goes into the main RAM)")
+                return dict(r)
+        if kind == "ram":
+            return {"name": "RAM", "kind": "ram", "origin": self.ram_origin, "bytes": self.ram_bytes}
+        return {"name": "FLASH", "kind": "flash", "origin": self.flash_origin, "bytes": self.flash_bytes}
+
     @property
     def clock_note(self) -> str:
         return f"{self.clock_hz / 1e6:g} MHz" if self.clock_hz else "clock unknown"
@@ -138,7 +156,10 @@ def from_manifest(data: dict, where: str = "board") -> Board:
     """A Board from manifest data (validated first; keys the manifest leaves out or sets to null
     take the Board's defaults)."""
     validate(data, where)
-    return Board(**{k: v for k, v in data.items() if k in _FIELDS and v is not None})
+    fields = {k: v for k, v in data.items() if k in _FIELDS and v is not None}
+    if "memory_regions" in fields:
+        fields["memory_regions"] = tuple(fields["memory_regions"])
+    return Board(**fields)
 
 
 @lru_cache(maxsize=1)
