@@ -82,7 +82,7 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
                 owner[i].end = max(owner[i].end, k)
         x = n.inputs[0] if n.inputs else ""
         alias = (n.outputs[0] if len(n.outputs) == 1 and n.outputs[0] in state_of and not d.view
-                 and _can_alias(g, n, d, owner[state_of[n.outputs[0]]], k) else "")
+                 and _can_alias(g, kernels, n, d, owner[state_of[n.outputs[0]]], k) else "")
         if alias:       # the new state is written over the old one: no copy after the run
             owner[state_of[alias]].tensors.append(alias)
             owner[alias] = owner[state_of[alias]]
@@ -135,13 +135,13 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
                 frozenset(b.tensors[0] for b in apart), frozenset(aliased))
 
 
-def _can_alias(g: ir.Graph, n: ir.Node, d, b: Buffer, k: int) -> bool:
+def _can_alias(g: ir.Graph, kernels: list[Kernel | None], n: ir.Node, d, b: Buffer, k: int) -> bool:
     """Step k (node n) may write its one output over buffer b (a state input): the output has
     b's size, nothing reads b after step k, and step k reads b not at all or only as the first
     operand of an operator that works in place."""
-    if g.t(n.outputs[0]).nbytes != g.t(b.tensors[0]).nbytes or not _last_use(g, b, k):
+    if g.t(n.outputs[0]).nbytes != g.t(b.tensors[0]).nbytes or not _last_use(g, kernels, b, k):
         return False
-    reads = [j for j, i in enumerate(n.inputs) if i in b.tensors]
+    reads = [j for j, i in enumerate(_reads(n, kernels[k])) if i in b.tensors]
     return not reads or (reads == [0] and d.inplace)
 
 
