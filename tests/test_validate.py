@@ -232,6 +232,22 @@ def test_normal_build_has_no_capture(tmp_path):
     assert captured.count("td_capture((0), (0), (1),") == 1 and "td_test_fault" not in captured
 
 
+def test_over_ssh(tmp_path):
+    """A Linux board over ssh (this machine, through a private sshd): the static capture build is
+    copied, run, and its records come back with OUT.bin."""
+    from test_deploy import Sshd
+    sshd = Sshd(tmp_path)
+    try:
+        path = save(conv_bn_relu_model(), tmp_path)
+        code, out, err = cli("validate", path, *sshd.args(), "--json", "-o", tmp_path / "b", "--profile")
+    finally:
+        sshd.stop()
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["where"].startswith("on ") and len(res["layers"]) == 3 and res["first_divergent_layer"] is None
+    assert all(x["identical_fraction"] is not None and x["cost"] > 0 for x in res["layers"])
+
+
 # ---- the capture protocol: CRC-checked, resent on request ---------------------------------------
 
 class ScriptedBoard:
@@ -271,10 +287,42 @@ def test_crc_mismatch_asks_for_the_tensor_again():
     assert bytes(board.got) == b"capture 1%r+"
 
 
+def test_firmware_resends_and_stops_on_request(tmp_path):
+    """The device side under QEMU: 'r' sends the same tensor again (line and bytes), 'x' stops
+    sending while the inference completes, and the board keeps serving."""
+    require("qemu-system-arm")
+    from tinydeploy.runners.mcu import input_data
+    from tinydeploy.runners.qemu_system import Emulator
+    path = save(conv_bn_relu_model(), tmp_path)
+    b = flow.build(path, "mps2-an386", tmp_path / "fw", quiet=True, extra_cflags=flow.CAPTURE_CFLAGS)
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    with Emulator(b.firmware.elf, b.firmware.machine) as emu:
+        dev = emu.boot(timeout=60, boot_timeout=120)
+        dev.load(input_data(b.firmware.memory, [x]))
+        dev.write(b"capture 1%")
+        head = dev.readline(60)
+        n = int(head.split("-")[5])
+        first = dev.read_exact(n, 60)
+        dev.write(b"r")
+        assert dev.readline(60) == head and dev.read_exact(n, 60) == first
+        dev.write(b"+")
+        head2 = dev.readline(60)
+        assert head2.startswith("m-layer-")
+        dev.read_exact(int(head2.split("-")[5]), 60)
+        dev.write(b"x")
+        _, lines = dev.expect(r"^m-ready$", 60)
+        assert "m-capture-done-1" in lines and any(ln.startswith("e-[capture: stopped") for ln in lines), lines
+        assert any(ln.startswith("m-layer-count-") for ln in lines)
+        assert dev.name() == "tinydeploy mps2-an386"
+        got = dev.capture(True)                   # and a whole capture afterwards
+        assert len(got["tensors"]) == 3 and got["unit"] == "instructions"
+        dev.quit()
+
+
 # ---- QEMU Cortex-M4 and qemu-aarch64: the same tensors as the host's ---------------------------
 
 @pytest.mark.models
-def test_cortex_m4_tensors_equal_the_hosts_and_the_fault_is_named(tmp_path):
+def test_cortex_m4_tensors_equal_the_hosts_and_the_fault_is_named(tmp_path, monkeypatch, capsys):
     require("qemu-system-arm")
     path = mlperf_model(KWS8)
     host, feeds, _ = capture(path, "host", tmp_path / "host")
@@ -289,6 +337,14 @@ def test_cortex_m4_tensors_equal_the_hosts_and_the_fault_is_named(tmp_path):
     run = flow.run(path, "mps2-an386", outdir=tmp_path / "run", quiet=True)
     total, layers = run["latency"]["instructions"], sum(m4.costs.values())
     assert 0 <= layers - total <= 16 * len(m4.costs), (layers, total)
+    # bench --layers on a microcontroller board: the same counts, from the same capture build
+    monkeypatch.chdir(tmp_path)
+    from tinydeploy.commands.bench import bench_layers_mcu
+    (tmp_path / "build").mkdir()
+    (tmp_path / "m4").rename(tmp_path / "build" / "kws_dscnn_int8-mps2-an386-validate")
+    rows = bench_layers_mcu([str(path)], "mps2-an386", as_json=True)[0]["layers"]
+    assert {x["step"]: x["instructions"] for x in rows} == m4.costs
+    capsys.readouterr()
     # the fault, under QEMU
     res = flow.validate(path, "mps2-an386", outdir=tmp_path / "fault", quiet=True,
                         extra_cflags=[f"-DTD_TEST_FAULT_STEP={FAULT_STEP}"], profile=True)

@@ -392,7 +392,7 @@ def load_dataset(folder: Path, specs) -> list[tuple[dict, int | None, str]]:
 
 def validate(model, board="host", inputs=None, dataset=None, seed: int = 0, input_shapes=None, outdir=None,
              force: bool = False, command: str = "", quiet: bool = False, emulate: bool = False,
-             port: str | None = None, ssh: str | None = None, identity: str | None = None,
+             port: str | None = None, ssh: str | None = None, identity: str | None = None, ssh_options=(),
              profile: bool = False, reference_kind: str = "oracle", extra_cflags=None,
              max_weights_bytes=None, timeout: float | None = None) -> dict:
     """Runs the capture build of `model` on `board` (here, under QEMU, on a serial port or over
@@ -415,7 +415,7 @@ def validate(model, board="host", inputs=None, dataset=None, seed: int = 0, inpu
         from tinydeploy.runners.ssh import Remote, check_board
         if not board.is_linux:
             raise TinydeployError(f"--ssh reaches Linux boards; {board.id} is a microcontroller (use --port)")
-        remote = Remote(ssh, None, identity)
+        remote = Remote(ssh, None, identity, options=ssh_options)
         check_board(remote, board)
     log = (lambda m: None) if quiet else progress
     cflags = CAPTURE_CFLAGS + list(extra_cflags or [])
@@ -477,7 +477,7 @@ def validate(model, board="host", inputs=None, dataset=None, seed: int = 0, inpu
                     correct += mine_top == label
                     ref_correct += ref_top == label
         if dataset:
-            rows = val.aggregate(rows, stats)
+            rows = val.aggregate(rows, stats, FP32_RTOL)
         if profile and cap is not None:
             for r in rows:
                 r["cost"] = cap.costs.get(r["step"]) if r["index"] == 0 else None

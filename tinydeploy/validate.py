@@ -337,15 +337,16 @@ def first_divergent(rows: list[dict]) -> dict | None:
     return None
 
 
-def aggregate(rows: list[dict], stats: dict) -> list[dict]:
-    """Data-set rows: the last sample's rows with their metrics replaced by those of the sums over
-    every sample (the causes are the last divergent sample's)."""
+def aggregate(rows: list[dict], stats: dict, rtol: float) -> list[dict]:
+    """Data-set rows: one sample's rows (the first that diverges, else the first) with their
+    metrics and verdict those of the sums over every sample; the causes are that sample's."""
     out = []
     for r in rows:
         r = dict(r)
         s = stats.get((r["step"], r["index"]))
         if s is not None:
             r.update(s.metrics())
+            r["within_tolerance"] = within(r, rtol)
         out.append(r)
     return out
 

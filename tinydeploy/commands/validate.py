@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
                        "or a pyserial URL")
     where.add_argument("--ssh", metavar="USER@HOST[:PORT]", help="a Linux board over ssh (as `deploy`)")
     p.add_argument("--identity", metavar="KEY", help="with --ssh: private key to log in with")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --ssh: extra ssh -o option (repeatable)")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--inputs", help=".npz (arrays named like the model inputs) or .npy (single input)")
     data.add_argument("--dataset", metavar="DIR", help="folder of .npz files (inputs by name, one sample or N, "
@@ -96,7 +98,8 @@ def main(args, ctx: Context) -> int:
         report.check_path(Path(args.report), args.force)
     res = flow.validate(args.model, args.board, args.inputs, args.dataset, args.seed, ctx.shapes, args.outdir,
                         args.force, ctx.command, quiet=args.json, emulate=args.emulate, port=args.port,
-                        ssh=args.ssh, identity=args.identity, profile=args.profile, reference_kind=args.reference,
+                        ssh=args.ssh, identity=args.identity, ssh_options=args.ssh_option, profile=args.profile,
+                        reference_kind=args.reference,
                         max_weights_bytes=ctx.max_weights_bytes, timeout=args.timeout)
     summary = res.pop("summary")
     if args.report:
