@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import onnx
@@ -30,6 +31,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tinydeploy import flow, reference, runners, validate as val
+from tinydeploy.errors import TinydeployError
 from tinydeploy.runners import protocol
 from util import REPO, make_model, mlperf_model, require, save
 
@@ -232,6 +234,27 @@ def test_normal_build_has_no_capture(tmp_path):
     assert captured.count("td_capture((0), (0), (1),") == 1 and "td_test_fault" not in captured
 
 
+def test_capture_build_with_clang_and_sanitizers(tmp_path):
+    """The capture build (and its test-only fault) is clean C for gcc and clang at -Werror and under
+    ASan/UBSan, and they hand over the same tensors (clang contracts a * b + c into FMAs by default:
+    its float results may differ in the last bits)."""
+    from util import SANITIZE
+    path = save(conv_bn_relu_model(), tmp_path)
+    caps = []
+    for cc, flags in (("gcc", []), ("clang", ["-DTD_TEST_FAULT_STEP=99"]), ("gcc", SANITIZE)):
+        require(cc)
+        b = flow.build(path, "host", tmp_path / f"{cc}{len(flags)}", quiet=True, cc=cc,
+                       extra_cflags=flow.CAPTURE_CFLAGS + flags)
+        feeds = reference.random_inputs(flow.io_specs(b.summary, "inputs"), 0)
+        out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+        caps.append(runners.select_runner("host").capture(b.exe, [feeds["x"]], out_specs, profile_runs=2))
+    for cap, exact in zip(caps[1:], (False, True)):
+        assert set(cap.tensors) == set(caps[0].tensors) == {(0, 0), (1, 0), (3, 0)}
+        for k, v in caps[0].tensors.items():
+            assert np.array_equal(v, cap.tensors[k]) if exact else np.allclose(v, cap.tensors[k], rtol=1e-5), k
+        assert cap.cost_unit == "us" and set(cap.costs) == {0, 1, 3}
+
+
 def test_over_ssh(tmp_path):
     """A Linux board over ssh (this machine, through a private sshd): the static capture build is
     copied, run, and its records come back with OUT.bin."""
@@ -251,25 +274,26 @@ def test_over_ssh(tmp_path):
 # ---- the capture protocol: CRC-checked, resent on request ---------------------------------------
 
 class ScriptedBoard:
-    """A serial-like stand-in for a capture build: answers `capture 1%` with one tensor whose
-    first copy is corrupted, sends it again on 'r', and ends after '+'."""
+    """A serial-like stand-in for a capture build: answers `capture 1%` with one tensor whose first
+    copy is corrupted (every copy with `always_bad`), sends it again on 'r', ends after '+' or 'x'."""
 
-    def __init__(self, tensor: bytes):
-        self.tensor, self.out, self.got = tensor, bytearray(), bytearray()
+    END = b"m-layer-count-3-1234\r\nm-count-unit-[instructions]\r\nm-capture-done-%d\r\nm-results-[1,2]\r\n"
+
+    def __init__(self, tensor: bytes, always_bad: bool = False):
+        self.tensor, self.always_bad, self.out, self.got = tensor, always_bad, bytearray(), bytearray()
 
     def write(self, data: bytes) -> None:
         self.got += data
-        crc = f"{__import__('zlib').crc32(self.tensor):08x}"
-        head = f"m-layer-3-0-3-{len(self.tensor)}-{crc}\r\n".encode()
+        head = f"m-layer-3-0-3-{len(self.tensor)}-{zlib.crc32(self.tensor):08x}\r\n".encode()
+        bad = bytes([self.tensor[0] ^ 0xFF]) + self.tensor[1:]
         if data == b"capture 1%":
-            bad = bytearray(self.tensor)
-            bad[0] ^= 0xFF
-            self.out += head + bytes(bad)
+            self.out += head + bad
         elif data == b"r":
-            self.out += head + self.tensor
+            self.out += head + (bad if self.always_bad else self.tensor)
         elif data == b"+":
-            self.out += (b"m-layer-count-3-1234\r\nm-count-unit-[instructions]\r\nm-capture-done-1\r\n"
-                         b"m-results-[1,2]\r\nm-ready\r\n")
+            self.out += self.END % 1 + b"m-ready\r\n"
+        elif data == b"x":
+            self.out += self.END % 0 + b"e-[capture: stopped]\r\nm-ready\r\n"
 
     def read(self, n: int) -> bytes:
         data, self.out = bytes(self.out[:n]), self.out[n:]
@@ -285,6 +309,11 @@ def test_crc_mismatch_asks_for_the_tensor_again():
     got = protocol.Device(board, timeout=5).capture(True)
     assert got["tensors"] == {(3, 0): (3, tensor)} and got["counts"] == {3: 1234} and got["unit"] == "instructions"
     assert bytes(board.got) == b"capture 1%r+"
+    # a link that corrupts every copy: the host gives up after CAPTURE_RESENDS more, in one clear error
+    board = ScriptedBoard(tensor, always_bad=True)
+    with pytest.raises(TinydeployError, match="failed its CRC-32 4 times in a row"):
+        protocol.Device(board, timeout=5).capture(True)
+    assert bytes(board.got) == b"capture 1%rrrx"
 
 
 def test_firmware_resends_and_stops_on_request(tmp_path):
@@ -437,9 +466,9 @@ MATRIX = ([(m, "host", ()) for m in MODELS8 + MODELS32] + [(m, "mps2-an386", ())
 @pytest.mark.skipif(not ACCEPTANCE, reason="the issue's whole matrix: TINYDEPLOY_ACCEPTANCE=1 (about 12 minutes)")
 @pytest.mark.models
 @pytest.mark.parametrize("model,board,extra", MATRIX, ids=[f"{m}-{b}" for m, b, _ in MATRIX])
-def test_acceptance_matrix(model, board, extra, tmp_path):
-    r = td("validate", mlperf_model(model + ".onnx"), "--board", board, *extra, "--json", "-o", tmp_path / "b",
-           cwd=tmp_path, timeout=1800)
+def test_acceptance_matrix(model, board, extra, tmp_path, monkeypatch):
+    path = mlperf_model(model + ".onnx")
+    r = td("validate", path, "--board", board, *extra, "--json", "-o", tmp_path / "b", cwd=tmp_path, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
     assert res["outputs_match"] and res["layers"]
@@ -447,3 +476,13 @@ def test_acceptance_matrix(model, board, extra, tmp_path):
         assert x["captured"] and x["cosine"] is not None and x["identical_fraction"] is not None, x
         if x["max_lsb"] is not None:
             assert x["exact_max_lsb"] == 0 and x["local"]["kernel_max_lsb"] == 0, x
+    if board == "host":
+        return
+    # the target's tensors against the host build's, bit for bit (FP32: the same portable C)
+    if "fp32" in model:
+        monkeypatch.setenv("TINYDEPLOY_ALGO", "ref")
+    host, feeds, _ = capture(path, "host", tmp_path / "host")
+    there, _, _ = capture(path, board, tmp_path / "there", emulate=bool(extra), feeds=feeds)
+    assert set(host.tensors) == set(there.tensors)
+    for k, v in host.tensors.items():
+        assert np.array_equal(v.view(np.uint8), there.tensors[k].view(np.uint8)), k

@@ -141,7 +141,8 @@ def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | 
         extras.append("arduino/port_arduino.cpp")
     out["README.md"] = _render("README.md.j2", title=title, board=board, machine=machine, emulate=emulate,
                                facts=facts, port=port, qemu=qemu, upload=upload, extras=extras,
-                               cflags=" ".join(target.cflags), model_id=model_id(facts["model"]))
+                               capture="-DTD_CAPTURE" in (extra_cflags or []),
+                               cflags=" ".join(target.cflags + list(extra_cflags or [])), model_id=model_id(facts["model"]))
     return out
 
 

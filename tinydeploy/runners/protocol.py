@@ -293,7 +293,7 @@ class Device:
         cmd = f"capture {int(bool(send))}"
         timeout = self.timeout if timeout is None else timeout
         self.write(cmd.encode() + b"%")
-        tensors, counts, unit, lines, failed = {}, {}, None, [], 0
+        tensors, counts, unit, lines, failed, gave_up = {}, {}, None, [], 0, None
         while True:
             ln = self.readline(max(timeout, INFER_WAIT_S), waiting_for=f"the next layer of {cmd + '%'!r}")
             m = _LAYER.match(ln)
@@ -302,10 +302,14 @@ class Device:
                 data = self.read_exact(n, max(timeout, n / 2000), what=f"layer {step}'s tensor")
                 if zlib.crc32(data) == crc:
                     tensors[(step, index)] = (dtype, data)
+                    failed = 0
                     self.write(b"+", note="(next layer)")
-                else:
+                elif failed < resends:
                     failed += 1
-                    self.write(b"r" if failed <= resends else b"x", note="(CRC mismatch: again)")
+                    self.write(b"r", note="(CRC-32 mismatch: the same tensor again)")
+                else:
+                    gave_up = step
+                    self.write(b"x", note="(CRC-32 mismatch again: stop)")
                 continue
             m = _LAYER_COUNT.match(ln)
             if m:
@@ -318,6 +322,10 @@ class Device:
             if ln == "m-ready":
                 break
             lines.append(ln)
+        if gave_up is not None:
+            raise TinydeployError(f"layer {gave_up}'s tensor failed its CRC-32 {resends + 1} times in a row: the serial "
+                                  f"link on {printable(str(self.where))} loses or changes bytes (check the cable and the "
+                                  "baud rate)")
         self.raise_errors(cmd, lines)
         if not any(ln.startswith("m-capture-done-") for ln in lines):
             raise TinydeployError(f"the board did not complete {cmd + '%'!r}: {printable(' | '.join(lines[-4:]), 200)}")
