@@ -445,60 +445,46 @@ def validate(model, board="host", inputs=None, dataset=None, seed: int = 0, inpu
             from tinydeploy.quant import exact
             graph = exact.lowered_graph(model, input_shapes)
         built = b.exe if b.firmware is None else b.firmware
-        stats, out_stats, matches, first = {}, val.Stats(), 0, None
-        agree = correct = ref_correct = labelled = 0
-        rows, cap, verdicts, divergent = [], None, [], 0
+        stats, tally, verdicts, rows, first, costs = {}, val.Tally(), [], [], None, None
         for k, (feeds, label, where) in enumerate(samples):
             log(f"capturing every layer {runner.where} ({where})")
             runs = PROFILE_RUNS[runner.emulated] if profile and k == 0 and not board.is_mcu else 0
             cap = runner.capture(built, [feeds[n] for n, _, _ in specs], out_specs, profile_runs=runs)
+            if k == 0:
+                costs = (cap.cost_unit, cap.costs)
             refs = val.references(model, model_bytes, schedule, feeds, val.target_tensors(schedule, cap.tensors, feeds),
                                   names, reference_kind, input_shapes, graph)
             rows_k = val.analyse(schedule, cap.tensors, feeds, refs, names, reference_kind, FP32_RTOL,
                                  stats if dataset else None)
-            cmp = reference.check_outputs(model, model_bytes, feeds, cap.outputs, FP32_RTOL,
-                                          b.summary.get("output_lsb"), input_shapes)
-            verdicts.append(cmp)
-            matches += bool(cmp["outputs_match"])
+            verdicts.append(reference.check_outputs(model, model_bytes, feeds, cap.outputs, FP32_RTOL,
+                                                    b.summary.get("output_lsb"), input_shapes))
             fd = val.first_divergent(rows_k)
-            if fd is not None:
-                divergent += 1
-                first = first or dict(fd, sample=where)
-            if k == 0 or fd is not None and rows and val.first_divergent(rows) is None:
+            if k == 0 or (fd is not None and first is None):   # the rows shown: the first sample that diverges
                 rows = rows_k
+            if fd is not None and first is None:
+                first = dict(fd, sample=where) if dataset else fd
             if dataset:    # X-CUBE-AI's figures on the first output, top-1 against the reference and labels
                 want = reference.run_onnxruntime(oracle if reference_kind == "oracle" else model_bytes, feeds,
                                                  optimize=not q or reference_kind != "oracle")
-                out_stats.add(cap.outputs[0], want[0], (1.0, 0) if cap.outputs[0].dtype.kind in "iu" else None)
-                mine_top, ref_top = val.top1(cap.outputs[0]), val.top1(want[0])
-                agree += mine_top is not None and mine_top == ref_top
-                if label is not None and mine_top is not None:
-                    labelled += 1
-                    correct += mine_top == label
-                    ref_correct += ref_top == label
+                tally.add(cap.outputs[0], want[0], label, fd is not None)
         if dataset:
             rows = val.aggregate(rows, stats, FP32_RTOL)
-        if profile and cap is not None:
+        if profile:
             for r in rows:
-                r["cost"] = cap.costs.get(r["step"]) if r["index"] == 0 else None
-        cmp = verdicts[0]
+                r["cost"] = costs[1].get(r["step"]) if r["index"] == 0 else None
+        matches = sum(bool(v["outputs_match"]) for v in verdicts)
+        shown = next((v for v in verdicts if not v["outputs_match"]), verdicts[0])
         result = {"model": model.name, "board": board.id, "where": runner.where, "emulated": runner.emulated,
                   "reference": reference_kind, "outputs_match": matches == len(samples),
-                  "first_divergent_layer": first if dataset else val.first_divergent(rows),
-                  "tolerance": {"lsb": reference.LSB_TOLERANCE, "relative": FP32_RTOL},
-                  "outputs": {k: v for k, v in cmp.items() if k not in ("layerwise",)},
+                  "first_divergent_layer": first, "tolerance": {"lsb": reference.LSB_TOLERANCE, "relative": FP32_RTOL},
+                  "outputs": shown,
                   "layers": rows, "build": str(outdir), "samples": len(samples)}
-        if profile and cap is not None:
+        if profile:
             from tinydeploy.runners.capture import cost_label
-            result["profile"] = {"unit": cap.cost_unit, "what": cost_label(cap.cost_unit, runner.emulated),
-                                 "total": sum(v for v in cap.costs.values())}
+            result["profile"] = {"unit": costs[0], "what": cost_label(costs[0], runner.emulated),
+                                 "total": sum(costs[1].values())}
         if dataset:
-            m = out_stats.metrics()
-            result["dataset"] = {"samples": len(samples), "outputs_match": matches, "divergent": divergent,
-                                 "l2r": m["rel_l2"], "mae": m["mae"], "rmse": m["rmse"], "cosine": m["cosine"],
-                                 "top1_agreement": agree / len(samples),
-                                 "accuracy": ({"target": correct / labelled, "reference": ref_correct / labelled,
-                                               "labelled": labelled} if labelled else None)}
+            result["dataset"] = dict(tally.figures(), outputs_match=matches)
         memory = {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
                   "weights_bytes": b.summary["weights_bytes"]}
         if b.summary.get("firmware"):

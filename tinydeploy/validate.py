@@ -313,8 +313,9 @@ def analyse(schedule: dict, cap_tensors: dict, feeds: dict, refs: References, na
             row["local"] = local
             row["within_tolerance"] = within(m, rtol)
             off = [(i_, *err[i_], origin.get(i_)) for i_ in st["inputs"] if i_ in err]
-            cause, why = _cause(local, off) if (m["max_lsb"] or m["max_abs_error"] or local.get("kernel_max_lsb")) \
-                else (None, None)
+            # why it differs: any 8-bit difference (ties included); float ones beyond the tolerance
+            differs = bool(m["max_lsb"] or local.get("kernel_max_lsb")) if q is not None else not row["within_tolerance"]
+            cause, why = _cause(local, off) if differs else (None, None)
             row["cause"], row["why"] = cause, why
             amount = m["max_lsb"] if q is not None else (m["max_rel_error"] or 0.0)
             err[t] = (amount, "LSB" if q is not None else "relative")
@@ -355,3 +356,31 @@ def top1(a: np.ndarray) -> int | None:
     """The class of a classifier's first output (its largest element); None for a single value."""
     a = np.asarray(a).reshape(-1)
     return int(np.argmax(a)) if a.size > 1 else None
+
+
+class Tally:
+    """A data set's figures on the model's first output, X-CUBE-AI's validate figures: L2r, MAE,
+    RMSE and cosine of the deployed model against the reference over every sample, top-1
+    agreement between them, and with labels the top-1 accuracy of each."""
+
+    def __init__(self):
+        self.stats, self.n, self.divergent = Stats(), 0, 0
+        self.agree = self.labelled = self.correct = self.ref_correct = 0
+
+    def add(self, got: np.ndarray, want: np.ndarray, label: int | None, divergent: bool = False) -> None:
+        self.stats.add(got, want, (1.0, 0) if np.asarray(got).dtype.kind in "iu" else None)
+        mine, theirs = top1(got), top1(want)
+        self.n += 1
+        self.divergent += bool(divergent)
+        self.agree += mine is not None and mine == theirs
+        if label is not None and mine is not None:
+            self.labelled += 1
+            self.correct += mine == label
+            self.ref_correct += theirs == label
+
+    def figures(self) -> dict:
+        m = self.stats.metrics()
+        return {"samples": self.n, "divergent": self.divergent, "l2r": m["rel_l2"], "mae": m["mae"],
+                "rmse": m["rmse"], "cosine": m["cosine"], "top1_agreement": self.agree / self.n if self.n else None,
+                "accuracy": ({"target": self.correct / self.labelled, "reference": self.ref_correct / self.labelled,
+                              "labelled": self.labelled} if self.labelled else None)}
