@@ -463,6 +463,16 @@ MATRIX = ([(m, "host", ()) for m in MODELS8 + MODELS32] + [(m, "mps2-an386", ())
           + [(m, "nano33ble", ("--emulate",)) for m in MODELS8] + [(m, "rpi4", ("--emulate",)) for m in MODELS32])
 
 
+def _every_layer_matches(res: dict) -> None:
+    """validate --json's verdict: the outputs match, every layer is listed with its metrics, and
+    8-bit layers are bit for bit with the exact reference (kernel and carried differences alike)."""
+    assert res["outputs_match"] and res["layers"]
+    for x in res["layers"]:
+        assert x["captured"] and x["cosine"] is not None and x["identical_fraction"] is not None, x
+        if x["max_lsb"] is not None:
+            assert x["exact_max_lsb"] == 0 and x["local"]["kernel_max_lsb"] == 0, x
+
+
 @pytest.mark.skipif(not ACCEPTANCE, reason="the issue's whole matrix: TINYDEPLOY_ACCEPTANCE=1 (about 12 minutes)")
 @pytest.mark.models
 @pytest.mark.parametrize("model,board,extra", MATRIX, ids=[f"{m}-{b}" for m, b, _ in MATRIX])
@@ -471,11 +481,7 @@ def test_acceptance_matrix(model, board, extra, tmp_path, monkeypatch):
     r = td("validate", path, "--board", board, *extra, "--json", "-o", tmp_path / "b", cwd=tmp_path, timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
-    assert res["outputs_match"] and res["layers"]
-    for x in res["layers"]:
-        assert x["captured"] and x["cosine"] is not None and x["identical_fraction"] is not None, x
-        if x["max_lsb"] is not None:
-            assert x["exact_max_lsb"] == 0 and x["local"]["kernel_max_lsb"] == 0, x
+    _every_layer_matches(res)
     if board == "host":
         return
     # the target's tensors against the host build's, bit for bit (FP32: the same portable C)
@@ -486,3 +492,29 @@ def test_acceptance_matrix(model, board, extra, tmp_path, monkeypatch):
     assert set(host.tensors) == set(there.tensors)
     for k, v in host.tensors.items():
         assert np.array_equal(v.view(np.uint8), there.tensors[k].view(np.uint8)), k
+
+
+@pytest.mark.skipif(not ACCEPTANCE, reason="the issue's whole matrix: TINYDEPLOY_ACCEPTANCE=1")
+@pytest.mark.models
+@pytest.mark.parametrize("fmt", ["qdq", "qoperator"])
+@pytest.mark.parametrize("model", ["kws_dscnn", "ic_resnet8", "vww_mobilenetv1", "ad_autoencoder"])
+def test_acceptance_uint8_models_of_quantize(model, fmt, tmp_path):
+    """The uint8 models `tinydeploy quantize` makes of the FP32 MLPerf Tiny models, on the host."""
+    sys.path.insert(0, str(REPO / "models"))
+    import make_calibration
+    fp32 = mlperf_model(model + "_fp32.onnx")
+    np.savez(tmp_path / "cal.npz", **make_calibration.make(str(fp32), n=10, seed=0,
+                                                           image_range=model in ("ic_resnet8", "vww_mobilenetv1")))
+    q = tmp_path / f"{model}_u8_{fmt}.onnx"
+    r = td("quantize", fp32, "--calibration", tmp_path / "cal.npz", "-o", q, "--format", fmt, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = td("validate", q, "--board", "host", "--json", "-o", tmp_path / "b", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _every_layer_matches(json.loads(r.stdout))
+
+
+@pytest.mark.skipif(not ACCEPTANCE, reason="the issue's whole matrix: TINYDEPLOY_ACCEPTANCE=1")
+def test_acceptance_resnet18_on_the_host(resnets, tmp_path):
+    r = td("validate", resnets["resnet18"], "--board", "host", "--json", "-o", tmp_path / "b", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _every_layer_matches(json.loads(r.stdout))
