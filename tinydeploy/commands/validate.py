@@ -55,7 +55,9 @@ def print_table(res: dict) -> None:
     print(head + (f" {prof['unit']:>12}" if prof else ""))
     for r in res["layers"]:
         mark = ">> " if first and r["step"] == first["step"] and r["tensor"] == first["tensor"] else "   "
-        name = printable(r["name"] or r["tensor"], 200)
+        name = r["name"] or r["tensor"]
+        # converters from TensorFlow join the fused ops' names with ';': the first is the layer's own
+        name = printable(name.split(";")[0] or name, 200)
         name = name if len(name) <= 32 else "..." + name[-29:]
         shape = "x".join(map(str, r["shape"]))
         if r.get("within_tolerance") is None and "max_abs_error" not in r:
