@@ -64,6 +64,8 @@ def _summary(model: Path, board_id: str, outdir: Path, c: Compiled, files) -> di
         "outputs": [[n, list(c.graph.t(n).shape), np.dtype(c.graph.t(n).dtype).name] for n in c.graph.outputs],
         "output_lsb": [_dequantized_scale(c.graph, n) for n in c.graph.outputs],
         "layer_table": layer_table(c),
+        "schedule": c.schedule(),
+        "sha256": c.sha256,
     }
 
 
@@ -80,11 +82,12 @@ def layer_table(c: Compiled) -> list[list]:
     return rows
 
 
-def _firmware(c: Compiled, board, outdir: Path, emulate: bool, builder: str, force: bool):
+def _firmware(c: Compiled, board, outdir: Path, emulate: bool, builder: str, force: bool, extra_cflags=None):
     """Microcontroller boards: the model's C plus the firmware harness and the board's port, as a
     project with a Makefile and a platformio.ini, built offline; refused with numbers if too big."""
     from tinydeploy import firmware
-    fw = firmware.build_firmware(c, board, outdir, emulate=emulate, force=force, builder=builder)
+    fw = firmware.build_firmware(c, board, outdir, emulate=emulate, force=force, builder=builder,
+                                 extra_cflags=extra_cflags)
     return fw.elf, fw
 
 
@@ -159,7 +162,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
     fw = None
     if board.is_mcu:
         log(f"building firmware with {builder} in {outdir}")
-        artifact, fw = _firmware(c, board, outdir, emulate, builder, force)
+        artifact, fw = _firmware(c, board, outdir, emulate, builder, force, extra_cflags)
         hashes = bld.read_marker(outdir).get("files", {})
     else:
         artifact, hashes = _host_binary(c, board, target, outdir, command, threads, extra_cflags, cc, force,
@@ -477,3 +480,232 @@ def _measure_linux(model: Path, board, port, energy: bool, sysfs_root, emulate: 
         res["energy"] = runner.report()
         res["latency"]["runs"] = runner.runs      # the window may have been lengthened
     return res
+
+
+# ---- validate: every layer against its reference ------------------------------------------------
+
+CAPTURE_CFLAGS = ["-DTD_CAPTURE", "-DTD_PROFILE"]   # the capture build: hooks after and around each layer
+PROFILE_RUNS = {False: 10, True: 3}                 # timed runs per layer on Linux boards (natively, emulated)
+
+
+def load_dataset(folder: Path, specs) -> list[tuple[dict, int | None, str]]:
+    """`--dataset DIR`: every .npz in DIR (in name order) holds the model's inputs by name, either
+    one sample (the inputs' shapes) or several (one more leading axis, the same count for every
+    input), and optionally `label` (an integer) or `labels` (one per sample). [(feeds, label,
+    where)]."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise TinydeployError(f"--dataset {printable(str(folder))!r} is not a folder")
+    files = sorted(p for p in folder.iterdir() if p.suffix == ".npz" and p.is_file())
+    if not files:
+        raise TinydeployError(f"--dataset {printable(str(folder))!r} holds no .npz files")
+    out = []
+    for f in files:
+        try:
+            with np.load(f, allow_pickle=False) as data:
+                arrays = {k: data[k] for k in data.files}
+        except Exception as e:
+            raise TinydeployError(f"cannot read {printable(f.name)!r}: {printable(str(e), 120)}") from None
+        labels = arrays.get("labels", arrays.get("label"))
+        counts = set()
+        for name, shape, dtype in specs:
+            a = arrays.get(name)
+            if a is None or a.dtype != dtype or tuple(a.shape[-len(shape):] if shape else ()) != tuple(shape) \
+                    or a.ndim not in (len(shape), len(shape) + 1):
+                raise TinydeployError(f"{printable(f.name)}: expected {printable(name)!r} as {np.dtype(dtype).name} "
+                                      f"{'x'.join(map(str, shape))} (or N x that), got "
+                                      + (f"{a.dtype.name} {'x'.join(map(str, a.shape))}" if a is not None else "none"))
+            counts.add(1 if a.ndim == len(shape) else a.shape[0])
+        if len(counts) != 1:
+            raise TinydeployError(f"{printable(f.name)}: the inputs hold different numbers of samples {sorted(counts)}")
+        n = counts.pop()
+        lab = None if labels is None else np.asarray(labels).reshape(-1)
+        if lab is not None and (lab.size != n or lab.dtype.kind not in "iu"):
+            raise TinydeployError(f"{printable(f.name)}: labels must be {n} integer(s)")
+        for k in range(n):
+            feeds = {name: (arrays[name] if arrays[name].ndim == len(shape) else arrays[name][k])
+                     for name, shape, _ in specs}
+            out.append((feeds, None if lab is None else int(lab[k]), f"{f.name}[{k}]" if n > 1 else f.name))
+    return out
+
+
+def validate(model, board="host", inputs=None, dataset=None, seed: int = 0, input_shapes=None, outdir=None,
+             force: bool = False, command: str = "", quiet: bool = False, emulate: bool = False,
+             port: str | None = None, ssh: str | None = None, identity: str | None = None, ssh_options=(),
+             profile: bool = False, reference_kind: str = "oracle", extra_cflags=None,
+             max_weights_bytes=None, timeout: float | None = None) -> dict:
+    """Runs the capture build of `model` on `board` (here, under QEMU, on a serial port or over
+    ssh) on one input or a data set, and holds every layer's outputs to the reference of the same
+    tensor (tinydeploy.validate). `extra_cflags` go into the capture build (the tests plant a
+    fault with -DTD_TEST_FAULT_STEP=k). The verdict on the outputs is `run`'s."""
+    from tinydeploy import validate as val
+    model = Path(model)
+    board = boards.get_board(board)
+    if inputs and dataset:
+        raise TinydeployError("give --inputs or --dataset, not both")
+    if reference_kind not in val.REFERENCES:
+        raise TinydeployError(f"--reference must be one of {', '.join(val.REFERENCES)}")
+    if dataset and not Path(dataset).is_dir():        # bad input is refused before anything is built
+        raise TinydeployError(f"--dataset {printable(str(dataset))!r} is not a folder")
+    if inputs and not Path(inputs).is_file():
+        raise TinydeployError(f"cannot read inputs from {printable(str(inputs))!r}: no such file")
+    remote = None
+    if ssh:
+        from tinydeploy.runners.ssh import Remote, check_board
+        if not board.is_linux:
+            raise TinydeployError(f"--ssh reaches Linux boards; {board.id} is a microcontroller (use --port)")
+        remote = Remote(ssh, None, identity, options=ssh_options)
+        check_board(remote, board)
+    log = (lambda m: None) if quiet else progress
+    cflags = CAPTURE_CFLAGS + list(extra_cflags or [])
+    if board.runs_here and remote is not None and "-static" not in board.make_target().cflags:
+        cflags.append("-static")
+    with runners.select_runner(board, emulate, remote=remote, port=port, timeout=timeout) as runner:
+        emulated_mcu = board.is_mcu and port is None
+        outdir = Path(outdir) if outdir else default_outdir(
+            model, board.id + ("-emulated" if emulate and board.is_mcu and not board.is_qemu_machine else "")
+            + ("-static" if "-static" in cflags else "") + "-validate")
+        b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet, extra_cflags=cflags,
+                  emulate=emulate and emulated_mcu, max_weights_bytes=max_weights_bytes)
+        schedule = b.summary["schedule"]
+        specs = io_specs(b.summary, "inputs")
+        out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
+        if dataset:
+            samples = load_dataset(Path(dataset), specs)
+        else:
+            feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
+            samples = [(feeds, None, str(inputs) if inputs else f"random inputs, seed {seed}")]
+        model_bytes = reference_model_bytes(model)
+        oracle, q = reference.oracle_bytes(model_bytes)
+        names = val.onnx_names(schedule, reference.produced_tensors(oracle if reference_kind == "oracle"
+                                                                      else model_bytes))
+        graph = None
+        if q:
+            from tinydeploy.quant import exact
+            graph = exact.lowered_graph(model, input_shapes)
+        built = b.exe if b.firmware is None else b.firmware
+        stats, tally, verdicts, rows, first, costs = {}, val.Tally(), [], [], None, None
+        for k, (feeds, label, where) in enumerate(samples):
+            log(f"capturing every layer {runner.where} ({where})")
+            runs = PROFILE_RUNS[runner.emulated] if profile and k == 0 and not board.is_mcu else 0
+            cap = runner.capture(built, [feeds[n] for n, _, _ in specs], out_specs, profile_runs=runs)
+            if k == 0:
+                costs = (cap.cost_unit, cap.costs)
+            refs = val.references(model, model_bytes, schedule, feeds, val.target_tensors(schedule, cap.tensors, feeds),
+                                  names, reference_kind, input_shapes, graph)
+            rows_k = val.analyse(schedule, cap.tensors, feeds, refs, names, reference_kind, FP32_RTOL,
+                                 stats if dataset else None)
+            verdicts.append(reference.check_outputs(model, model_bytes, feeds, cap.outputs, FP32_RTOL,
+                                                    b.summary.get("output_lsb"), input_shapes))
+            fd = val.first_divergent(rows_k)
+            if k == 0 or (fd is not None and first is None):   # the rows shown: the first sample that diverges
+                rows = rows_k
+            if fd is not None and first is None:
+                first = dict(fd, sample=where) if dataset else fd
+            if dataset:    # X-CUBE-AI's figures on the first output, top-1 against the reference and labels
+                want = reference.run_onnxruntime(oracle if reference_kind == "oracle" else model_bytes, feeds,
+                                                 optimize=not q or reference_kind != "oracle")
+                tally.add(cap.outputs[0], want[0], label, fd is not None)
+        if dataset:
+            rows = val.aggregate(rows, stats, FP32_RTOL)
+        if profile:
+            for r in rows:
+                r["cost"] = costs[1].get(r["step"]) if r["index"] == 0 else None
+        matches = sum(bool(v["outputs_match"]) for v in verdicts)
+        shown = next((v for v in verdicts if not v["outputs_match"]), verdicts[0])
+        result = {"model": model.name, "board": board.id, "where": runner.where, "emulated": runner.emulated,
+                  "reference": reference_kind, "outputs_match": matches == len(samples),
+                  "first_divergent_layer": first, "tolerance": {"lsb": reference.LSB_TOLERANCE, "relative": FP32_RTOL},
+                  "outputs": shown,
+                  "layers": rows, "build": str(outdir), "samples": len(samples)}
+        if profile:
+            from tinydeploy.runners.capture import cost_label
+            result["profile"] = {"unit": costs[0], "what": cost_label(costs[0], runner.emulated),
+                                 "total": sum(costs[1].values())}
+        if dataset:
+            result["dataset"] = dict(tally.figures(), outputs_match=matches)
+        memory = {"arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"],
+                  "weights_bytes": b.summary["weights_bytes"]}
+        if b.summary.get("firmware"):
+            memory["firmware"] = b.summary["firmware"]
+        result["memory"] = memory
+        result["summary"] = b.summary
+    return json_safe(result)
+
+
+def json_safe(obj):
+    """NaN and infinities (which JSON cannot carry) as None, everywhere in obj."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+# ---- report: the compiled model, its memory and (when measured) its costs, as one HTML file ------
+
+def report_facts(summary: dict, board, capture_build: bool = False) -> dict:
+    """What report.render draws, from a build summary (_summary)."""
+    board = boards.get_board(board)
+    return {"model": summary["model"], "board": board.id, "board_name": board.name, "sha256": summary.get("sha256"),
+            "schedule": summary["schedule"], "macs": summary["macs"], "weights_bytes": summary["weights_bytes"],
+            "layers": summary["layers"], "notes": summary.get("notes", []), "firmware": summary.get("firmware"),
+            "flash_limit_bytes": board.flash_bytes, "ram_limit_bytes": board.ram_bytes, "capture_build": capture_build}
+
+
+def layer_costs(model, board, emulate: bool = False, outdir=None, force: bool = False, input_shapes=None,
+                command: str = "", quiet: bool = False, seed: int = 0, runs: int | None = None,
+                max_weights_bytes=None) -> dict:
+    """Each layer's cost on the board, from its capture build (-DTD_CAPTURE -DTD_PROFILE) with
+    nothing sent: microcontrollers count instructions under QEMU (DWT cycles on a board over a
+    serial port are validate --port --profile's), Linux boards time `runs` inferences (their
+    runner's layer_costs: microseconds, the seam for an instruction-counting runner).
+    {"unit", "what", "costs": {step: cost}, "emulated", "summary"}."""
+    from tinydeploy.runners.capture import cost_label
+    model, board = Path(model), boards.get_board(board)
+    with runners.select_runner(board, emulate) as runner:
+        outdir = Path(outdir) if outdir else default_outdir(
+            model, board.id + ("-emulated" if emulate and board.is_mcu and not board.is_qemu_machine else "") + "-validate")
+        b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
+                  extra_cflags=CAPTURE_CFLAGS, emulate=emulate and board.is_mcu, max_weights_bytes=max_weights_bytes)
+        specs = io_specs(b.summary, "inputs")
+        feeds = reference.random_inputs(specs, seed)
+        out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]
+        built = b.exe if b.firmware is None else b.firmware
+        cap = runner.capture(built, [feeds[n] for n, _, _ in specs], out_specs,
+                             profile_runs=runs or PROFILE_RUNS[runner.emulated], send=False)
+    return {"unit": cap.cost_unit, "what": cost_label(cap.cost_unit, runner.emulated), "costs": cap.costs,
+            "emulated": runner.emulated, "summary": b.summary}
+
+
+def report(model, board="host", output=None, input_shapes=None, outdir=None, force: bool = False, command: str = "",
+           quiet: bool = False, profile: bool = False, emulate: bool = False, max_weights_bytes=None) -> Path:
+    """`tinydeploy report`: microcontrollers build the board's firmware (make) for its flash and
+    RAM; Linux boards only compile (the arena, the kernels and the weights are known then). With
+    `profile`, each layer's cost (layer_costs). Returns the report's path."""
+    from tinydeploy import report as rep
+    model, board = Path(model), boards.get_board(board)
+    if not model.is_file():
+        raise TinydeployError(f"model file {printable(str(model))!r} does not exist or is not a file")
+    output = Path(output) if output else default_outdir(model, board.id).with_name(
+        default_outdir(model, board.id).name + "-report.html")
+    if output.parent == Path("build") and not output.parent.exists():
+        output.parent.mkdir()
+    rep.check_path(output, force)       # before the work
+    if board.is_mcu:
+        b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet, builder="make",
+                  max_weights_bytes=max_weights_bytes)
+        summary = b.summary
+    else:
+        (progress if not quiet else (lambda m: None))(f"compiling {printable(model.name)} for {board.id}")
+        c = compile_model(model, board.make_target(), input_shapes, command=command, board=board.id,
+                          max_weights_bytes=max_weights_bytes)
+        summary = _summary(model, board.id, Path(outdir or "-"), c, [])
+    prof = None
+    if profile:
+        prof = layer_costs(model, board, emulate=emulate or board.is_mcu, input_shapes=input_shapes, command=command,
+                           quiet=quiet, max_weights_bytes=max_weights_bytes)
+        prof.pop("summary")
+    return rep.write(output, report_facts(summary, board), profile=prof, force=force)

@@ -37,6 +37,7 @@ class Compiled:
     notes: list[str] = field(default_factory=list)
     model: str = "model"          # the model's file name (untrusted: print through cfmt.printable)
     api: project.Api | None = None    # the library form (named files and symbols), None: classic
+    functions: dict[int, tuple[str, str]] = field(default_factory=dict)   # step -> (kernel function, ISA)
 
     @property
     def names(self) -> dict[str, str]:
@@ -71,6 +72,50 @@ class Compiled:
     @property
     def inputs_int8(self) -> bool:
         return all(np.dtype(self.graph.t(n).dtype) == np.int8 for n in self.graph.inputs)
+
+    def schedule(self) -> dict:
+        """The schedule as data (JSON-able; names as the model gives them, untrusted): per step the
+        operator, the node, its runtime inputs, its outputs (shape, type, per-tensor quantisation,
+        where in the arena; `layout`: the permutation from the ONNX layout to the stored one, None
+        when stored as ONNX lays it out), its kernel (function, ISA, description), MACs, weight
+        bytes and scratch; and the arena's buffers with their lifetimes. What `validate` maps back
+        to ONNX tensors and `report` draws; kept in the build's summary, so a reused build has it."""
+        g, plan = self.graph, self.plan
+        steps = []
+        for step, (n, k) in enumerate(zip(g.nodes, self.kernels)):
+            outs = []
+            for o in n.outputs:
+                if not o:
+                    continue
+                t = g.t(o)
+                q = t.quant if t.quant is not None and t.quant.axis is None and np.size(t.quant.scale) == 1 else None
+                outs.append({"name": o, "shape": list(t.shape), "dtype": np.dtype(t.dtype).name,
+                             "scale": float(np.asarray(q.scale).reshape(-1)[0]) if q else None,
+                             "zero_point": int(np.asarray(q.zero_point).reshape(-1)[0]) if q else None,
+                             "offset": plan.offsets.get(o), "bytes": t.nbytes, "layout": layout_perm(t)})
+            consts = {a: k.tensor(a, g) for a in k.args} if k is not None else {}
+            fn, isa = self.functions.get(step, (None, None))
+            steps.append({"step": step, "op": n.op, "onnx_op": n.onnx_op, "name": n.name,
+                          "inputs": [i for i in n.inputs if i and not g.t(i).is_const],
+                          "outputs": outs, "code": k is not None,
+                          "kernel": None if k is None else {
+                              "family": k.family, "dtype": k.dtype, "function": fn, "isa": isa, "desc": k.desc,
+                              "scratch_bytes": k.scratch_bytes, "scratch_offset": plan.offsets.get(f"#scratch{step}")},
+                          "macs": int(REGISTRY[n.op].macs(n, g)),
+                          "weights_bytes": int(sum(t.nbytes for t in consts.values() if t.is_const))})
+        return {"steps": steps, "arena_bytes": plan.arena_bytes, "lower_bound_bytes": plan.lower_bound,
+                "inputs": list(g.inputs), "outputs": list(g.outputs),
+                "input_shapes": {n: list(g.t(n).shape) for n in g.inputs},
+                "buffers": [{"offset": b.offset, "bytes": b.size, "first": b.start, "last": b.end,
+                             "tensors": list(b.tensors), "pinned": b.pinned} for b in plan.buffers]}
+
+
+def layout_perm(t: ir.Tensor) -> list[int] | None:
+    """How a tensor is stored, as the permutation of its ONNX (NCHW) dimensions: None when as ONNX
+    lays it out; [0, 2, 3, 1] for a 4-D tensor a kernel keeps channels-last (`Tensor.layout`)."""
+    if t.layout == "NHWC" and len(t.shape) == 4:
+        return [0, 2, 3, 1]
+    return None
 
 
 def check_supported(g: ir.Graph) -> None:
@@ -160,8 +205,9 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
                             f"{limits.human(weights[largest].nbytes)})", weights_bytes, budget)
     sha = sha256_file(Path(path))
     info = project.ModelInfo(Path(path).name, sha, command, board)
-    files = project.generate(g, kernels, plan, info, target.isas, target.alignment, macs, api)
-    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes, Path(path).name, api)
+    chosen: dict = {}
+    files = project.generate(g, kernels, plan, info, target.isas, target.alignment, macs, api, chosen)
+    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes, Path(path).name, api, chosen)
 
 
 @dataclass

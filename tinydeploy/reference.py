@@ -230,30 +230,106 @@ def product_kinds(g) -> set[str]:
             for n in g.nodes if n.op in ("QConv", "QDense")}
 
 
+def _pairs_leave_int16(products: np.ndarray) -> np.ndarray:
+    """Over the last axis: adjacent products added in pairs; True where a pair leaves int16."""
+    if products.shape[-1] % 2:
+        products = np.concatenate([products, np.zeros(products.shape[:-1] + (1,), products.dtype)], axis=-1)
+    pairs = products[..., 0::2] + products[..., 1::2]
+    return (np.abs(pairs) > 32767).any(axis=-1)
+
+
+def saturating_pairs(node, g, x: np.ndarray) -> np.ndarray | None:
+    """Where onnxruntime's fast u8 x s8 kernels on x86 without VNNI (AVX2's VPMADDUBSW) clip, for
+    a QConv / QDense node of the lowered graph `g` on its 8-bit input `x`: each output element's
+    products of the raw u8 input and s8 weights, in the kernels' im2col order (the input
+    channels innermost, after the kernel taps, padding read as the zero point; a dense layer's K
+    as it is), are added in adjacent pairs into 16-bit lanes that saturate. True where a pair
+    leaves [-32768, 32767] (their result then differs from the exact sum). None for other layers
+    (depthwise convolutions run in int32 there, so are not modelled either)."""
+    from tinydeploy.quant import exact
+    if node.op not in ("QConv", "QDense"):
+        return None
+    w = g.t(node.inputs[1]).data
+    if np.dtype(x.dtype) != np.uint8 or np.dtype(w.dtype) != np.int8:
+        return None
+    shape = g.t(node.outputs[0]).shape
+    w = w.astype(np.int64)
+    if node.op == "QDense":
+        xr = x.reshape(-1, w.shape[1]).astype(np.int64)
+        return np.stack([_pairs_leave_int16(xr * w[n]) for n in range(w.shape[0])], axis=-1).reshape(shape)
+    grp, (m_out, cg) = int(node.attrs.get("group", 1)), w.shape[:2]
+    if grp > 1 and cg == 1:
+        return None
+    cols = exact.patches(node, g, x, list(w.shape[2:]), node.attrs["_q"]["zx"])      # [n, taps, C, P]
+    mg = m_out // grp
+    masks = []
+    for m in range(m_out):
+        gi = m // mg
+        colg = cols[:, :, gi * cg:(gi + 1) * cg, :]
+        k = colg.shape[1] * cg
+        a = colg.transpose(0, 3, 1, 2).reshape(colg.shape[0], colg.shape[3], k)     # [n, P, taps x C]
+        wm = w[m].reshape(cg, -1).T.reshape(k)                                      # taps outer, C inner
+        masks.append(_pairs_leave_int16(a * wm))
+    return np.stack(masks, axis=1).reshape(shape)
+
+
 # ---- layer by layer: which differences are rounding ties ---------------------------------------
 
-def _cut_model(oracle: bytes, g, cut: list[str]) -> bytes:
-    """The oracle model with every tensor in `cut` made a graph input (fed with tinydeploy's
-    values) and its producer's result made a graph output `<name>__td_layer`: one session then
-    evaluates every layer on the same inputs as tinydeploy's."""
+def expose(model_bytes: bytes, tensors: dict[str, tuple[np.dtype, tuple]], cut=()) -> bytes:
+    """The model with every tensor in `tensors` (name -> (dtype, shape)) made a graph output, and
+    every one in `cut` also made a graph input: its producer's result is renamed `<name>__td_layer`
+    (the output), and the nodes that read it read the fed value instead. With every layer's
+    result cut, one session evaluates each layer on the inputs it is given (run_tensors)."""
     import onnx
     from onnx import helper
-    m = onnx.load_model_from_string(oracle)
+    m = onnx.load_model_from_string(model_bytes)
     cutset = set(cut)
     for node in m.graph.node:
         for k, o in enumerate(node.output):
             if o in cutset:
                 node.output[k] = o + "__td_layer"
-    elem = {np.dtype(np.int8): onnx.TensorProto.INT8, np.dtype(np.uint8): onnx.TensorProto.UINT8}
-    kept = [o for o in m.graph.output if o.name not in cutset]
+    kept = [o for o in m.graph.output if o.name not in cutset and o.name not in tensors]
     del m.graph.output[:]
     m.graph.output.extend(kept)
-    for name in cut:
-        t = g.t(name)
-        m.graph.input.append(helper.make_tensor_value_info(name, elem[np.dtype(t.dtype)], list(t.shape)))
-        m.graph.output.append(helper.make_tensor_value_info(name + "__td_layer", elem[np.dtype(t.dtype)], list(t.shape)))
+    for name, (dtype, shape) in tensors.items():
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        if name in cutset:
+            m.graph.input.append(helper.make_tensor_value_info(name, elem, list(shape)))
+        m.graph.output.append(helper.make_tensor_value_info(name + "__td_layer" * (name in cutset), elem, list(shape)))
     del m.graph.value_info[:]
     return m.SerializeToString()
+
+
+def produced_tensors(model_bytes: bytes) -> set[str]:
+    """The names of the tensors the model's nodes produce."""
+    import onnx
+    m = onnx.load_model_from_string(model_bytes)
+    return {o for n in m.graph.node for o in n.output if o}
+
+
+def run_tensors(model_bytes: bytes, feeds: dict, tensors: dict[str, tuple[np.dtype, tuple]], optimize: bool,
+                fed: dict | None = None) -> dict[str, np.ndarray]:
+    """The values of `tensors` (name -> (dtype, shape); tensors the model's nodes produce) in one
+    onnxruntime session on `feeds`. With `fed` (name -> value), each of those tensors the model
+    produces is replaced by the value given wherever it is read (expose's cut), and its own
+    result is that of its layer evaluated on the fed inputs: layer by layer, nothing carried."""
+    fed = {t: v for t, v in (fed or {}).items() if t in tensors}
+    sess = _session(expose(model_bytes, tensors, fed), optimize)
+    given = {**feeds, **fed}
+    outs = dict(zip([o.name for o in sess.get_outputs()],
+                    sess.run(None, {i.name: given[i.name] for i in sess.get_inputs()})))
+    return {t: np.asarray(outs[t + "__td_layer" * (t in fed)]) for t in tensors}
+
+
+def tie_mask(d: np.ndarray, rounding_entry) -> np.ndarray:
+    """The differences `d` (integers, mine - theirs) that are rounding ties: one LSB, where the
+    exact value (`rounding_entry` = exact.Exact's (real, margin)) lies within the float32 error
+    bound of k + 1/2."""
+    if rounding_entry is None:
+        return np.zeros(d.shape, bool)
+    real, margin = (np.broadcast_to(a, d.shape) for a in rounding_entry)
+    dist = np.abs(real - np.floor(real) - 0.5)
+    return (d != 0) & (np.abs(d) == 1) & (dist <= margin + 1e-12)
 
 
 def layerwise(model_path, model_bytes: bytes, feeds: dict, input_shapes=None, graph=None) -> dict:
@@ -268,32 +344,20 @@ def layerwise(model_path, model_bytes: bytes, feeds: dict, input_shapes=None, gr
     g = graph if graph is not None else exact.lowered_graph(model_path, input_shapes)
     rounding: dict = {}
     vals = exact.evaluate(g, feeds, keep=True, rounding=rounding)
-    import onnx
-    om = onnx.load_model_from_string(oracle)
-    produced = {o for n in om.graph.node for o in n.output}
+    produced = produced_tensors(oracle)
     order = {o: k for k, n in enumerate(g.nodes) for o in n.outputs}
     qtypes = (np.dtype(np.int8), np.dtype(np.uint8))
     cut = [t for t in sorted(produced & set(vals), key=lambda t: order.get(t, -1))
            if t in g.tensors and not g.t(t).is_const and np.dtype(g.t(t).dtype) in qtypes and t not in g.inputs]
     if not cut:
         return {"layers": [], "ties": 0, "disagreements": 0}
-    fed = {**feeds, **{t: vals[t] for t in cut}}
-    sess = _session(_cut_model(oracle, g, cut), optimize=False)
-    outs = dict(zip([o.name for o in sess.get_outputs()],
-                    sess.run(None, {i.name: fed[i.name] for i in sess.get_inputs()})))
+    outs = run_tensors(oracle, feeds, {t: (g.t(t).dtype, g.t(t).shape) for t in cut}, optimize=False,
+                       fed={t: vals[t] for t in cut})
     layers, ties, bad = [], 0, 0
     for t in cut:
-        mine = vals[t].astype(np.int64)
-        theirs = np.asarray(outs[t + "__td_layer"]).astype(np.int64)
-        d = mine - theirs
+        d = vals[t].astype(np.int64) - outs[t].astype(np.int64)
         differ = d != 0
-        n_tie = 0
-        if differ.any() and t in rounding:
-            real, margin = rounding[t]
-            real = np.broadcast_to(real, d.shape)
-            margin = np.broadcast_to(margin, d.shape)
-            dist = np.abs(real - np.floor(real) - 0.5)
-            n_tie = int((differ & (np.abs(d) == 1) & (dist <= margin + 1e-12)).sum())
+        n_tie = int(tie_mask(d, rounding.get(t)).sum()) if differ.any() else 0
         n_bad = int(differ.sum()) - n_tie
         node = g.nodes[order[t]] if t in order else None
         layers.append({"tensor": t, "op": node.op if node else "", "node": node.name if node else "",

@@ -29,6 +29,10 @@
  *   model NAME%        images with several models (TD_MODEL_SELECT, model.h): m-model-selected-[NAME];
  *                      the following commands act on that model; model% lists them:
  *                      m-models-[a b ...]-selected-[NAME]
+ *   capture T%         only in the capture build (-DTD_CAPTURE -DTD_PROFILE, `tinydeploy
+ *                      validate`): one inference of the loaded input with every layer's outputs
+ *                      sent (T = 1) or not (T = 0), and the work counter around each layer; see
+ *                      the capture extension below
  * The input buffer holds every model input back to back (td_input_bytes(0) + ...); each
  * inference copies it into the model's inputs first, so repeated runs see the same data.
  */
@@ -644,6 +648,160 @@ static void cmd_model(char **tok, int n)
 }
 #endif
 
+/* ---- capture extension (the capture build of `tinydeploy validate`) ----------------------
+ * capture T%: copies the input buffer into the model's inputs and runs one inference. model.c
+ * calls td_capture() after each layer; with T = 1 it sends each output of the layer straight
+ * from the arena, one layer at a time (nothing is copied, the arena does not grow):
+ *   m-layer-<step>-<index>-<dtype>-<bytes>-<crc32 hex>   (dtype: TD_FLOAT32 = 1, TD_UINT8 = 2, ...)
+ * then exactly <bytes> raw bytes, and waits for one byte from the host: '+' go on, 'r' send the
+ * same tensor again (the host's CRC-32 did not match; at most TD_CAPTURE_RESENDS times), 'x'
+ * send no more. model.c's profile hooks count the port's work counter around each layer's call
+ * alone (instructions under QEMU -icount shift=0, DWT cycles where the port has them). After the
+ * inference: one m-layer-count-<step>-<count> line per layer with code, m-count-unit-[U],
+ * m-capture-done-<tensors sent>, and the results as infer% prints them. Without an answer within
+ * TD_CAPTURE_ACK_MS the rest is not sent and the reply ends with e-[capture: ...]. */
+#ifdef TD_CAPTURE
+#ifndef TD_PROFILE
+#error "the capture build needs TD_PROFILE too (the per-layer counts)"
+#endif
+#ifndef TD_CAPTURE_RESENDS
+#define TD_CAPTURE_RESENDS 3
+#endif
+#ifndef TD_CAPTURE_ACK_MS
+#define TD_CAPTURE_ACK_MS (10u * TD_BULK_TIMEOUT_MS)
+#endif
+
+static int capture_active, capture_send, capture_stopped, capture_timeout;
+static uint32_t capture_sent;
+static uint32_t layer_count[TD_NUM_STEPS + 1];       /* + 1: never a zero-length array */
+static unsigned char layer_counted[TD_NUM_STEPS + 1];
+
+void td_profile_begin(int layer);
+void td_profile_end(int layer);
+
+void td_profile_begin(int layer)
+{
+    (void)layer;
+    if (capture_active) {
+        port_count_begin();
+    }
+}
+
+void td_profile_end(int layer)
+{
+    const uint32_t c = capture_active ? port_count_end() : 0u;
+    if (capture_active && layer >= 0 && layer < TD_NUM_STEPS) {
+        layer_count[layer] = c;
+        layer_counted[layer] = 1;
+    }
+}
+
+/* The host's answer to a sent tensor, or -1 after TD_CAPTURE_ACK_MS without one. */
+static int capture_answer(void)
+{
+    const uint32_t limit = (uint32_t)((uint64_t)port_tick_hz() * TD_CAPTURE_ACK_MS / 1000u);
+    const uint32_t t0 = port_ticks();
+    for (;;) {
+        const int b = port_getc();
+        if (b == '+' || b == 'r' || b == 'x') {
+            return b;
+        }
+        if (port_ticks() - t0 > limit) {
+            return -1;
+        }
+    }
+}
+
+void td_capture(int step, int index, int dtype, const void *data, size_t bytes)
+{
+    const unsigned char *p = (const unsigned char *)data;
+    uint32_t crc = 0xFFFFFFFFu, i;
+    int tries;
+    if (!capture_active || !capture_send || capture_stopped) {
+        return;
+    }
+    for (i = 0; i < (uint32_t)bytes; ++i) {
+        crc = crc32_update(crc, p[i]);
+    }
+    crc ^= 0xFFFFFFFFu;
+    for (tries = 0; tries <= TD_CAPTURE_RESENDS; ++tries) {
+        int answer;
+        put("m-layer-");
+        put_u32((uint32_t)step);
+        port_putc('-');
+        put_u32((uint32_t)index);
+        port_putc('-');
+        put_u32((uint32_t)dtype);
+        port_putc('-');
+        put_u32((uint32_t)bytes);
+        port_putc('-');
+        put_hex8(crc >> 24);
+        put_hex8(crc >> 16);
+        put_hex8(crc >> 8);
+        put_hex8(crc);
+        endl();
+        for (i = 0; i < (uint32_t)bytes; ++i) {
+            port_putc((char)p[i]);
+        }
+        answer = capture_answer();
+        if (answer == '+') {
+            ++capture_sent;
+            return;
+        }
+        if (answer != 'r') {
+            capture_timeout = answer < 0;
+            break;
+        }
+    }
+    capture_stopped = 1;
+}
+
+static void cmd_capture(char **tok, int n)
+{
+    uint32_t send = 1;
+    int i;
+    if (n != 2 || !parse_u32(tok[1], &send) || send > 1u) {
+        error("usage: capture T (T = 1: send every layer's outputs, 0: per-layer counts only)");
+        return;
+    }
+    if (db_expect) {
+        error("db load is not complete");
+        return;
+    }
+    for (i = 0; i < TD_NUM_STEPS; ++i) {
+        layer_counted[i] = 0;
+    }
+    capture_send = (int)send;
+    capture_stopped = capture_timeout = 0;
+    capture_sent = 0;
+    copy_inputs();
+    capture_active = 1;
+    td_run();
+    capture_active = 0;
+    for (i = 0; i < TD_NUM_STEPS; ++i) {
+        if (layer_counted[i]) {
+            put("m-layer-count-");
+            put_u32((uint32_t)i);
+            port_putc('-');
+            put_u32(layer_count[i]);
+            endl();
+        }
+    }
+    put("m-count-unit-[");
+    put(port_count_unit());
+    line("]");
+    put("m-capture-done-");
+    put_u32(capture_sent);
+    endl();
+    have_results = 1;
+    print_results();
+    if (capture_stopped) {
+        error(capture_timeout ? "capture: no answer from the host after a tensor; the rest was not sent"
+                              : "capture: stopped (the host asked, or a tensor failed its CRC too often)");
+    }
+}
+#endif
+
 static void execute(void)
 {
     char *tok[4];
@@ -708,6 +866,10 @@ static void execute(void)
 #ifdef TD_MODEL_SELECT
     } else if (!strcmp(tok[0], "model")) {
         cmd_model(tok, n);
+#endif
+#ifdef TD_CAPTURE
+    } else if (!strcmp(tok[0], "capture")) {
+        cmd_capture(tok, n);
 #endif
     } else if (!strcmp(tok[0], "quit") && n == 1) {
         line("m-bye");

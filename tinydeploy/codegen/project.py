@@ -262,7 +262,9 @@ def _runtime_needs(needs: set) -> dict:
 
 
 def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInfo, isas: list[str],
-             alignment: int, macs: int, api: Api | None = None) -> dict[str, str]:
+             alignment: int, macs: int, api: Api | None = None, chosen: dict | None = None) -> dict[str, str]:
+    """The files of the project. `chosen`, when given, receives for each step with code the
+    kernel function that runs it and the ISA of the variant rendered: step -> (function, isa)."""
     p = api.name if api else "td"                        # the prefix of exported C names
     names = file_names(api)
     # Kernels: render each layer's specialisation once; #include lines go to the top of the file,
@@ -286,6 +288,8 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             funcs.append({"comment": c_comment(f"{k.family} {k.dtype} ({isa}): {k.desc}", 200),
                           "source": text.lstrip("\n"), "prototype": proto})
         calls[step] = (fn, isa)
+    if chosen is not None:
+        chosen.update(calls)
 
     # Weights: every constant a kernel reads, in order of first use, named by layer and role:
     # td_l<step>_<node name, shortened>_<role>, the role from the kernel's parameter name.
@@ -325,11 +329,14 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
                 + " ".join(_shape(g.t(i)) for i in ins) + " -> " + " ".join(_shape(g.t(o)) for o in n.outputs if o))
         if k is None:
             what = "view" if REGISTRY[n.op].view else "read through by a later layer's kernel"
-            layers.append({"comment": desc + f" ({what}: no code)", "call": ""})
+            layers.append({"comment": desc + f" ({what}: no code)", "call": "", "step": step, "captures": []})
             continue
         args = [wsym[a] if lookup[a].is_const else
                 f"({c_type(lookup[a].dtype)} *)TD_{'SCRATCH_' if a in plan.apart else ''}AT({off[a]})" for a in k.args]
-        layers.append({"comment": desc, "call": _call(calls[step][0], args)})
+        # what the capture build hands td_capture() after the layer: each output it wrote
+        captures = [{"index": i, "dtype": _ONNX_DTYPE[np.dtype(g.t(o).dtype)], "macro": off[o], "bytes": g.t(o).nbytes}
+                    for i, o in enumerate(n.outputs) if o in off and np.dtype(g.t(o).dtype) in _ONNX_DTYPE]
+        layers.append({"comment": desc, "call": _call(calls[step][0], args), "step": step, "captures": captures})
 
     states = dict(api.states) if api else {}
     ios = []

@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib
 
 # verb modules in the order `tinydeploy --help` lists them
-VERBS = ["build", "run", "inspect_model", "quantize", "measure", "deploy", "flash", "doctor", "listing",
-         "bench", "tune"]
+VERBS = ["build", "run", "validate", "report", "inspect_model", "quantize", "measure", "deploy", "flash", "doctor",
+         "listing", "bench", "tune"]
 
 
 def modules():

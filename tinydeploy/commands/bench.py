@@ -104,11 +104,9 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
     next bottleneck is visible. SBC boards run under qemu-aarch64 with --emulate: those times are
     labelled emulated (they show where an emulator spends time, not the board)."""
     from tinydeploy.targets import boards
-    from tinydeploy.errors import TinydeployError
     b_info = boards.get_board(board)
     if b_info.is_mcu:
-        raise TinydeployError(f"bench --layers times layers of Linux boards; for {board} use `tinydeploy bench "
-                              f"--board {board}` (instruction counts per inference)")
+        return bench_layers_mcu(models, board, as_json, max_weights_bytes)
     runner = runners.select_runner(b_info, emulate)
     results = []
     for m in models:
@@ -154,6 +152,40 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
     return results
 
 
+def bench_layers_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=None) -> list[dict]:
+    """`bench --layers` on a microcontroller board: exact instructions per layer under QEMU, from
+    the capture build's work counter around each layer (flow.layer_costs; DWT cycles on a real
+    board come from `validate --port PORT --profile`), with MACs per instruction and share."""
+    results = []
+    for m in models:
+        path = Path(m)
+        prof = flow.layer_costs(path, board, emulate=True, quiet=as_json, max_weights_bytes=max_weights_bytes)
+        costs, total = prof["costs"], sum(prof["costs"].values()) or 1.0
+        rows = [{"step": step, "op": op, "name": name, "algorithm": algo, "macs": macs, prof["unit"]: costs.get(step),
+                 "macs_per_instruction": macs / costs[step] if costs.get(step) and prof["unit"] == "instructions"
+                 else None, "share_percent": 100.0 * (costs.get(step) or 0) / total}
+                for step, op, name, algo, macs in prof["summary"]["layer_table"]]
+        results.append({"model": path.name, "board": board, "emulated": True, "unit": prof["unit"],
+                        "total": sum(prof["costs"].values()), "macs": prof["summary"]["macs"], "layers": rows})
+    if as_json:
+        print(json.dumps(results))
+        return results
+    for r in results:
+        print(f"{r['model']} on {r['board']} under QEMU: {r['unit']} per layer (exact, -icount)")
+        print(f"{'step':>4}  {'op':<14} {'name':<24} {'algorithm':<44} {'MACs':>11} {r['unit']:>13} {'MACs/instr':>10} "
+              f"{'share':>6}")
+        for x in r["layers"]:
+            name = x["name"] if len(x["name"]) <= 24 else "..." + x["name"][-21:]
+            mpi = f"{x['macs_per_instruction']:.3f}" if x["macs_per_instruction"] is not None else "-"
+            cost = f"{x[r['unit']]:,.0f}" if x[r["unit"]] is not None else "-"
+            print(f"{x['step']:>4}  {x['op'][:14]:<14} {name:<24} {x['algorithm'][:44]:<44} {x['macs']:>11,} {cost:>13} "
+                  f"{mpi:>10} {x['share_percent']:>5.1f}%")
+        print(f"{'':>4}  {'total':<14} {'(layers)':<24} {'':<44} {r['macs']:>11,} {r['total']:>13,.0f}")
+    print("counted around each layer's call alone by the capture build (-DTD_CAPTURE -DTD_PROFILE): the sum of the "
+          "layers leaves out td_run's own few instructions", file=sys.stderr)
+    return results
+
+
 def add_parser(sub) -> None:
     from tinydeploy.commands.common import max_weights, threads
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
@@ -163,7 +195,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     threads(p)
     p.add_argument("--layers", action="store_true", help="per layer: algorithm, MACs, median us, GFLOP/s, share "
-                   "of the time (a build with -DTD_PROFILE)")
+                   "of the time (a build with -DTD_PROFILE); microcontroller boards: exact instructions per layer "
+                   "under QEMU")
     p.add_argument("--emulate", action="store_true", help="with --layers: run an SBC board's build under "
                    "qemu-aarch64 (times labelled emulated)")
     max_weights(p)

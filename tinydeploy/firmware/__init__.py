@@ -139,9 +139,10 @@ def sections_placed(c: Compiled | Image, machine: Board) -> list[dict]:
 
 
 def project_files(c: Compiled | Image, board_id, emulate: bool = False, dut_name: str | None = None,
-                  bulk_timeout_ms: int | None = None) -> dict[str, str]:
+                  bulk_timeout_ms: int | None = None, extra_cflags=None) -> dict[str, str]:
     """Relative path -> text of the firmware project for `board_id` (emulate: for the QEMU machine
-    that stands in for it, with the board's own memory limits)."""
+    that stands in for it, with the board's own memory limits). `extra_cflags` go after the
+    target's flags (the capture build of `tinydeploy validate`: -DTD_CAPTURE -DTD_PROFILE)."""
     board = mcu_board(board_id)
     machine = board.emulator() if emulate else board
     target = machine.make_target()
@@ -175,7 +176,8 @@ def project_files(c: Compiled | Image, board_id, emulate: bool = False, dut_name
     sources = [f"src/{n}" for n in ["harness.c", "startup_cortex_m.c", port] + c.sources]
     upload = None if emulate else board.upload
     qemu = machine.qemu if machine.is_qemu_machine else None
-    out["Makefile"] = _render("Makefile.j2", title=title, cflags=" ".join(target.cflags), sources=sources,
+    out["Makefile"] = _render("Makefile.j2", title=title, cflags=" ".join(target.cflags + list(extra_cflags or [])),
+                              sources=sources,
                               qemu=qemu, upload=upload)
     extras = []
     if not emulate and (board.platformio or {}).get("framework") == "arduino":   # the Arduino env's port
@@ -183,8 +185,9 @@ def project_files(c: Compiled | Image, board_id, emulate: bool = False, dut_name
         extras.append("arduino/port_arduino.cpp")
     out["README.md"] = _render("README.md.j2", title=title, board=board, machine=machine, emulate=emulate,
                                facts=facts, port=port, qemu=qemu, upload=upload, extras=extras,
-                               cflags=" ".join(target.cflags), model_id=ident, library=_library_facts(c),
-                               placed=placed)
+                               capture="-DTD_CAPTURE" in (extra_cflags or []),
+                               cflags=" ".join(target.cflags + list(extra_cflags or [])), model_id=ident,
+                               library=_library_facts(c), placed=placed)
     return out
 
 
@@ -343,16 +346,16 @@ class Firmware:
 
 
 def build_firmware(c: Compiled | Image, board_id, outdir=None, emulate: bool = False,
-                   force: bool = False, builder: str = "make", **kw) -> Firmware:
+                   force: bool = False, builder: str = "make", extra_cflags=None, **kw) -> Firmware:
     """Writes the project (Makefile and platformio.ini), refuses a model that cannot fit, builds
     it with `builder` ("make" or "pio": PlatformIO, offline) and measures it."""
     board = mcu_board(board_id)
     machine = board.emulator() if emulate else board
     check_fits(c, board)
     outdir = Path(outdir) if outdir else Path(tempfile.mkdtemp(prefix=f"tinydeploy-fw-{board.id}-"))
-    write_project(outdir, c, board, emulate, force=force, **kw)
+    write_project(outdir, c, board, emulate, force=force, extra_cflags=extra_cflags, **kw)
     from tinydeploy.firmware import pio
-    pio.write_platformio_ini(outdir, machine.id, ldscript="link.ld", model=c.model)
+    pio.write_platformio_ini(outdir, machine.id, ldscript="link.ld", build_flags=extra_cflags, model=c.model)
     if builder == "pio":
         elf = pio.pio_build(outdir, machine.id, quiet=True)
     elif builder == "make":

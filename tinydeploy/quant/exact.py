@@ -110,6 +110,16 @@ def _window_geometry(node: ir.Node, g: ir.Graph, kernel_shape) -> dict:
     return p
 
 
+def patches(node: ir.Node, g: ir.Graph, x: np.ndarray, kernel_shape, fill: int) -> np.ndarray:
+    """What each output position of a 2-D window operator reads: [n, taps (row-major), C, OH * OW],
+    `fill` where a tap lies in the padding (im2col with the kernel taps outermost)."""
+    geo = _window_geometry(node, g, kernel_shape)
+    x4 = _as_nchw(x).astype(np.int64)
+    cols = [np.where(valid, x4[:, :, ry[:, None], rx[None, :]], fill).reshape(x4.shape[0], x4.shape[1], -1)
+            for _, _, ry, rx, valid in _taps(geo, geo["OH"], geo["OW"])]
+    return np.stack(cols, axis=1)
+
+
 # ---- integer operators -----------------------------------------------------------------------
 
 def qconv(node: ir.Node, g: ir.Graph, x: np.ndarray) -> Exact:
@@ -356,10 +366,14 @@ def _onnx_node(node: ir.Node, g: ir.Graph, values: dict) -> list[np.ndarray]:
 
 
 def evaluate(g: ir.Graph, feeds: dict[str, np.ndarray], keep: bool = False,
-             rounding: dict | None = None) -> dict[str, np.ndarray]:
+             rounding: dict | None = None, override: dict | None = None,
+             local: dict | None = None) -> dict[str, np.ndarray]:
     """Every tensor of `g` (the graph as the QDQ pass leaves it) for these inputs; with keep=False
     only the graph outputs are kept to the end. `rounding`, when given, receives for each output
-    of a rounding operator its (real, margin) (see Exact)."""
+    of a rounding operator its (real, margin) (see Exact). `override` (name -> value): each of
+    those tensors, once computed, is replaced by the value given, so every later node reads it
+    (a target's own tensors: each layer evaluated on the inputs the target gave it); `local`
+    then receives what this reference computed for them."""
     values: dict[str, np.ndarray] = {}
     for name, t in g.tensors.items():
         if t.is_const:
@@ -383,6 +397,10 @@ def evaluate(g: ir.Graph, feeds: dict[str, np.ndarray], keep: bool = False,
         for name, v in zip(n.outputs, outs):
             if name:
                 values[name] = np.asarray(v).astype(g.t(name).dtype, copy=False)
+                if override is not None and name in override:
+                    if local is not None:
+                        local[name] = values[name]
+                    values[name] = np.asarray(override[name]).astype(g.t(name).dtype, copy=False)
         if not keep:
             for i in n.inputs:
                 if last_use.get(i) == k and i not in g.outputs and not g.t(i).is_const:

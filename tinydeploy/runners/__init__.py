@@ -8,6 +8,7 @@
     qemu_system.py  Emulator: qemu-system-arm with the firmware's UART on a loopback port
     protocol.py     Device: the host side of the firmware's serial protocol
     energy.py       EnergyRunner: a Linux runner with a Jetson's power rails sampled
+    capture.py      a capture build's layer tensors and per-layer costs (every runner's capture())
 
 select_runner picks the runner for a board. Nothing here imports tinydeploy.flow or commands/."""
 from __future__ import annotations

@@ -22,6 +22,13 @@ class Runner:
         the model's input order); out_specs: [(shape, dtype)] of the outputs."""
         raise NotImplementedError
 
+    def capture(self, built, feeds, out_specs, profile_runs: int = 0, send: bool = True):
+        """A capture build's one inference (runners.capture.Capture): the outputs, every layer's
+        outputs (`send`; False: only the per-layer costs, on firmware) and, with `profile_runs`
+        (Linux boards: timed runs after it; firmware always counts), each layer's cost."""
+        from tinydeploy.errors import TinydeployError
+        raise TinydeployError(f"{type(self).__name__} cannot capture a model's layers")
+
     def close(self) -> None:
         """Lets go of what the runner holds (a folder on a board); safe to call twice."""
 

@@ -95,6 +95,25 @@ class HarnessRunner(Runner):
         raw, stdout = self.harness(exe, pack_inputs(feeds), int(runs))
         return unpack_outputs(raw, out_specs), median_ms(stdout)
 
+    def capture(self, exe, feeds, out_specs, profile_runs: int = 0, send: bool = True):
+        """A capture build (-DTD_CAPTURE -DTD_PROFILE): its outputs and layer records from OUT.bin
+        and, after `profile_runs` timed runs, each layer's cost (layer_costs)."""
+        from tinydeploy.runners.capture import Capture, parse_records
+        raw, stdout = self.harness(exe, pack_inputs(feeds), int(profile_runs))
+        outs = unpack_outputs(raw, out_specs)
+        cap = Capture(outs, parse_records(raw[sum(o.nbytes for o in outs):]), self.where, self.emulated)
+        if profile_runs:
+            cap.cost_unit, cap.costs = self.layer_costs(stdout)
+        return cap
+
+    def layer_costs(self, stdout: str) -> tuple[str, dict[int, float]]:
+        """(unit, {step: cost}) of a -DTD_PROFILE build's timed runs: the harness's median
+        microseconds per layer. The seam for runners that count instead: one that runs the binary
+        under qemu-aarch64 with an instruction-counting plugin overrides this and returns
+        ("instructions", {step: count}); validate --profile and bench --layers show whatever
+        unit it gives."""
+        return "us", layer_times(stdout)[1]
+
     def profile(self, exe, feeds, runs: int) -> tuple[float, dict[int, float]]:
         """A -DTD_PROFILE build's (median latency in us, {step: median us}) over `runs` runs."""
         _, stdout = self.harness(exe, pack_inputs(feeds), int(runs))

@@ -66,6 +66,26 @@ def open_serial(port: str, baudrate: int = 115200, timeout: float = 60.0, boot_t
     return dev
 
 
+def capture_exchange(dev, data: bytes, out_specs, send: bool, where: str, emulated: bool, timeout: float):
+    """Loads `data` into a device running a capture build and runs `capture T%`: every layer's
+    outputs (with `send`) and work count, and the model's outputs (rawout%): a Capture."""
+    from tinydeploy.runners.capture import Capture, from_device
+    dev.load(data)
+    try:
+        got = dev.capture(send, timeout=timeout)
+    except TinydeployError as e:
+        if "unknown command: capture" in str(e):
+            raise TinydeployError("the firmware has no capture extension: it is not the capture build of "
+                                  "`tinydeploy validate` (flash the folder validate built, e.g. `tinydeploy flash "
+                                  "DIR --board B`, then run validate again)") from None
+        raise
+    cap = Capture(unpack_outputs(dev.outputs(), out_specs, "the firmware"), from_device(got, "the firmware"),
+                  where, emulated)
+    cap.costs = {k: float(v) for k, v in got["counts"].items()}
+    cap.cost_unit = got["unit"]
+    return cap
+
+
 def instructions_per_tick(machine, tick_hz: int) -> Fraction:
     """Under -icount shift=N one instruction takes 2^N ns of virtual time."""
     shift = int(machine.qemu.get("icount_shift", 0))
@@ -141,6 +161,19 @@ class QemuSystemRunner(Runner):
         return outs, instructions / clock * 1000.0 if clock else None
 
 
+    def capture(self, fw, feeds, out_specs, profile_runs: int = 0, send: bool = True):
+        from tinydeploy.runners.qemu_system import Emulator
+        with Emulator(fw.elf, fw.machine) as emu:
+            try:
+                dev = emu.boot(timeout=self.timeout, boot_timeout=60)
+                cap = capture_exchange(dev, input_data(fw.memory, feeds), out_specs, send, self.where, True,
+                                       self.timeout)
+                dev.quit()
+            except TinydeployError as e:
+                raise emu.explain(e) from None
+        return cap
+
+
 class SerialRunner(Runner):
     """Firmware already flashed on a board, over its serial port (a pyserial URL: /dev/ttyACM0, or
     socket://127.0.0.1:N for QEMU's). median_ms by the board's own timer."""
@@ -158,3 +191,8 @@ class SerialRunner(Runner):
         self.last = {"counts": counts, "instructions": counts.instructions, "runs": counts.runs,
                      "stack_used_bytes": got["stack_used_bytes"], "log": dev.log}
         return got["outputs"], counts.ms_per_run
+
+    def capture(self, fw, feeds, out_specs, profile_runs: int = 0, send: bool = True):
+        with open_serial(self.port, self.baudrate, self.timeout, boot_timeout=self.timeout) as dev:
+            return capture_exchange(dev, input_data(fw.memory, feeds), out_specs, send, self.where, False,
+                                    self.timeout)

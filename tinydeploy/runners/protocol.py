@@ -16,6 +16,11 @@ from tinydeploy.errors import TinydeployError
 
 CMD_MAX = 80          # the device's command buffer (characters before '%')
 DB_CHUNK = 31         # bytes per `db <hex>%` chunk, as the EnergyRunner sends them
+CAPTURE_RESENDS = 3   # a tensor whose CRC-32 fails is asked for again this many times (harness.c)
+INFER_WAIT_S = 600.0  # the longest a layer may run before its outputs arrive
+
+_LAYER = re.compile(r"^m-layer-(\d+)-(\d+)-(\d+)-(\d+)-([0-9a-f]{8})$")
+_LAYER_COUNT = re.compile(r"^m-layer-count-(\d+)-(\d+)$")
 
 
 @dataclass
@@ -265,6 +270,66 @@ class Device:
         if len(data) != n:
             raise TinydeployError(f"rawout announced {n} bytes but sent {len(data)}")
         return data
+
+    def read_exact(self, n: int, timeout: float | None = None, what: str = "raw bytes") -> bytes:
+        """Exactly n raw bytes (binary: line ends are data here); raises after timeout seconds."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while len(self._buf) < n:
+            if time.monotonic() >= deadline:
+                raise self._stopped(f"{what} ({len(self._buf):,} of {n:,} bytes arrived)", timeout)
+            self._fill(deadline)
+        data = bytes(self._buf[:n])
+        del self._buf[:n]
+        self.log.append(f"< ({n} raw bytes)")
+        return data
+
+    def capture(self, send: bool = True, timeout: float | None = None, resends: int = CAPTURE_RESENDS) -> dict:
+        """`capture T%` of the capture build (harness.c's capture extension): one inference of the
+        loaded input, every layer's outputs received one at a time and checked by CRC-32 (a
+        mismatch asks for the same tensor again, at most `resends` times), and the work counter
+        around each layer. Returns {"tensors": {(step, index): (dtype code, bytes)}, "counts":
+        {step: count}, "unit": the counter's unit, "results": the results line's values}."""
+        cmd = f"capture {int(bool(send))}"
+        timeout = self.timeout if timeout is None else timeout
+        self.write(cmd.encode() + b"%")
+        tensors, counts, unit, lines, failed, gave_up = {}, {}, None, [], 0, None
+        while True:
+            ln = self.readline(max(timeout, INFER_WAIT_S), waiting_for=f"the next layer of {cmd + '%'!r}")
+            m = _LAYER.match(ln)
+            if m:
+                step, index, dtype, n, crc = int(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5], 16)
+                data = self.read_exact(n, max(timeout, n / 2000), what=f"layer {step}'s tensor")
+                if zlib.crc32(data) == crc:
+                    tensors[(step, index)] = (dtype, data)
+                    failed = 0
+                    self.write(b"+", note="(next layer)")
+                elif failed < resends:
+                    failed += 1
+                    self.write(b"r", note="(CRC-32 mismatch: the same tensor again)")
+                else:
+                    gave_up = step
+                    self.write(b"x", note="(CRC-32 mismatch again: stop)")
+                continue
+            m = _LAYER_COUNT.match(ln)
+            if m:
+                counts[int(m[1])] = int(m[2])
+                continue
+            m = re.match(r"^m-count-unit-\[(\w+)\]$", ln)
+            if m:
+                unit = m[1]
+                continue
+            if ln == "m-ready":
+                break
+            lines.append(ln)
+        if gave_up is not None:
+            raise TinydeployError(f"layer {gave_up}'s tensor failed its CRC-32 {resends + 1} times in a row: the serial "
+                                  f"link on {printable(str(self.where))} loses or changes bytes (check the cable and the "
+                                  "baud rate)")
+        self.raise_errors(cmd, lines)
+        if not any(ln.startswith("m-capture-done-") for ln in lines):
+            raise TinydeployError(f"the board did not complete {cmd + '%'!r}: {printable(' | '.join(lines[-4:]), 200)}")
+        return {"tensors": tensors, "counts": counts, "unit": unit, "results": self._results(lines)}
 
     def stack(self) -> tuple[int, int]:
         m = self._match(self.command("stack"), r"^m-stack-used-(\d+)-of-(\d+)$", "stack")
