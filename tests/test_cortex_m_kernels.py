@@ -285,30 +285,38 @@ def test_pack_pairs_layout():
             assert hi == (rows[r, 2 * k + 1] if 2 * k + 1 < 7 else 0)
 
 
-def test_packing_respects_flash_budget(monkeypatch):
-    """Packing doubles the weights' flash: within EXTRA_FLASH_BYTES, the most MACs per byte first;
-    with no budget nothing is packed (and the build still works through the other kernels)."""
+def test_weight_layouts_follow_optimize(monkeypatch):
+    """--optimize size keeps every 8-bit weight at one byte; speed takes int16 pairs within
+    EXTRA_FLASH_BYTES, the most instructions per extra byte first; balanced only where a layer
+    saves at least BALANCED_RATE instructions per byte, within BALANCED_SHARE of the weights."""
     from tests.util import mlperf_model
-    from tinydeploy.schedule import mcu as select_mcu
+    from tinydeploy.schedule import mcu
     from tinydeploy.pipeline import compile_model
     from tinydeploy.targets import get_target
-    model = mlperf_model("ad_autoencoder_int8.onnx")
     target = get_target("cortex-m4")
 
-    def packed(c):
-        ks = [k for k in c.kernels if k is not None and k.family == "qdense"]
-        return [k for k in ks if k.params.get("PACKED")], ks
+    def layouts(name, optimize):
+        c = compile_model(mlperf_model(name), target, board="mps2-an386", optimize=optimize)
+        return [k for k in c.kernels if k is not None and "WL" in k.params]
 
-    full, dense = packed(compile_model(model, target, board="mps2-an386"))
-    assert len(full) == len(dense) == 10
-    monkeypatch.setattr(select_mcu, "EXTRA_FLASH_BYTES", 0)
-    none, _ = packed(compile_model(model, target, board="mps2-an386"))
-    assert none == []
-    monkeypatch.setattr(select_mcu, "EXTRA_FLASH_BYTES", 50_000)   # 640x128 needs 81,920 more bytes
-    some, _ = packed(compile_model(model, target, board="mps2-an386"))
+    ad = layouts("ad_autoencoder_int8.onnx", "size")
+    assert len(ad) == 10 and {k.params["WL"] for k in ad} == {"i8pair"}
+    assert all(k.scratch_bytes == 0 for k in ad)      # the inputs are widened in registers
+    assert {k.params["WL"] for k in layouts("ad_autoencoder_int8.onnx", "speed")} == {"i16"}
+    # dense layers gain a sixteenth of an instruction per extra byte: balanced keeps one byte
+    assert {k.params["WL"] for k in layouts("ad_autoencoder_int8.onnx", "balanced")} == {"i8pair"}
+    monkeypatch.setattr(mcu, "EXTRA_FLASH_BYTES", 50_000)   # 640x128 needs 81,920 more bytes
+    some = [k for k in layouts("ad_autoencoder_int8.onnx", "speed") if k.params["WL"] == "i16"]
     assert 0 < len(some) < 10
     assert all(k.params["K"] * k.params["N"] < 640 * 128 for k in some)
-    assert sum(k.params["K"] * k.params["N"] for k in some) <= 50_000
+    assert sum(k.params["FLASH_EXTRA"] for k in some) <= 50_000
+    # balanced on VWW: the high-resolution early layers (most MACs per weight) get int16 pairs
+    vww = [k for k in layouts("vww_mobilenetv1_int8.onnx", "balanced") if k.family == "qconv2d"]
+    wide = [k for k in vww if k.params["WL"] == "i16"]
+    weights = sum(k.params["M"] * k.params["C"] * k.params["KH"] * k.params["KW"] for k in vww)
+    assert wide and sum(k.params["FLASH_EXTRA"] for k in wide) <= weights * mcu.BALANCED_SHARE
+    assert min(k.params["OH"] * k.params["OW"] for k in wide) >= max(
+        k.params["OH"] * k.params["OW"] for k in vww if k.params["WL"] != "i16")
 
 
 def _f32_conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), bias=True, act=None, seed=0):

@@ -82,13 +82,15 @@ def prepared_graph(path, input_shapes=None, max_weights_bytes: "int | limits.Bud
 
 
 def compile_model(path, target: Target, input_shapes=None, command: str = "", board: str = "host",
-                  threads: int = 1, max_weights_bytes: "int | limits.Budget | None" = None) -> Compiled:
+                  threads: int = 1, max_weights_bytes: "int | limits.Budget | None" = None,
+                  optimize: str = "balanced") -> Compiled:
     """`max_weights_bytes`: the weights budget (tinydeploy.limits; None: sized against this
-    machine's memory). The import holds the model to it, and so does the C written here."""
+    machine's memory). The import holds the model to it, and so does the C written here.
+    `optimize` (balanced, speed, size): what microcontroller kernels may spend flash on."""
     budget = limits.budget(max_weights_bytes)
     g = prepared_graph(path, input_shapes, budget)
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
-    kernels = select_kernels(g, lower(g), target, threads)   # fast conv/dense algorithms per layer
+    kernels = select_kernels(g, lower(g), target, threads, optimize)   # fast conv/dense algorithms per layer
     plan = plan_memory(g, kernels, target.alignment)
     weights = {a: k.tensor(a, g) for k in kernels if k for a in k.args if k.tensor(a, g).is_const}
     weights_bytes = sum(t.nbytes for t in weights.values())

@@ -78,7 +78,7 @@ def _param_names(prototype: str) -> list[str]:
 # What a constant argument is, from the name the kernel gives its parameter. Kernels over two
 # operands (a, b) take constants as operands; the others name weights, bias and requantisation.
 _ROLES = {"w": "weight", "wp": "weight", "uw": "weight", "b": "bias", "mult": "mult", "shift": "shift",
-          "scale": "scale"}
+          "scale": "scale", "rs": "rscale"}
 
 
 def _role(param: str, params: list[str]) -> str:
@@ -101,6 +101,8 @@ def _role_text(role: str, param: str, t: ir.Tensor, k: Kernel, isa: str) -> str:
         return "requantisation multipliers m per output channel (r = m * 2^-shift, td_runtime.h)"
     if role == "shift":
         return "requantisation shifts per output channel" if integer else "per-channel shift"
+    if role == "rscale":
+        return "requantisation scales r = m * 2^-shift per output channel (float32, exact)"
     if role == "scale":
         return "per-channel scale"
     if role in ("lhs", "rhs"):
@@ -193,6 +195,8 @@ def _runtime_needs(needs: set) -> dict:
     """The td_runtime.h sections the kernels' calls need (runtime.h.j2 variables)."""
     simple = {w[0] for w in needs}
     requant = {n for n in simple if n.startswith("requant")}
+    if "requant_vcvtr2" in requant:
+        requant.add("requant_vcvtr")
     if requant & {"requant_f32", "requant_vcvtr"}:
         requant.add("requant_scale")
     dsp = {n for n in simple if n in ("sxtb16_r8", "pkhbt", "pkhtb", "smlal")}
@@ -200,7 +204,8 @@ def _runtime_needs(needs: set) -> dict:
     return {"requant": sorted(requant), "dsp": sorted(dsp),
             "smlad_loops": sorted(w[1:] for w in needs if w[0] == "smlad_loop"),
             "smlad_rows": sorted(w[1] for w in needs if w[0] == "smlad_rows_loop"),
-            "vfma_loops": sorted(w[1:] for w in needs if w[0] == "vfma_loop")}
+            "vfma_loops": sorted(w[1:] for w in needs if w[0] == "vfma_loop"),
+            "dsp_loops": sorted(w[1:] for w in needs if w[0] == "dsp_loop")}
 
 
 def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInfo, isas: list[str],

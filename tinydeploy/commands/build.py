@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from tinydeploy import flow
-from tinydeploy.commands.common import Context, model_options, print_summary, threads
+from tinydeploy.commands.common import Context, model_options, optimize, print_summary, threads
 from tinydeploy.errors import TinydeployError
 
 
@@ -21,13 +21,14 @@ def add_parser(sub) -> None:
     p.add_argument("--quantize", choices=["uint8", "int8"], help="quantise first (onnxruntime, QDQ, per channel)")
     p.add_argument("--calibration", help="calibration data for --quantize (.npz/.npy or a folder)")
     threads(p)
+    optimize(p)
 
 
 def main(args, ctx: Context) -> int:
     if not args.quantize:
         r = flow.build(args.model, args.board, args.outdir, args.force, ctx.shapes, ctx.command,
                        emulate=args.emulate, builder=args.builder, threads=args.threads,
-                       max_weights_bytes=ctx.max_weights_bytes)
+                       max_weights_bytes=ctx.max_weights_bytes, optimize=args.optimize)
         print_summary(r.summary)
         return 0
     from tinydeploy.frontend import quantize as q
@@ -40,7 +41,8 @@ def main(args, ctx: Context) -> int:
                          max_weights_bytes=ctx.max_weights_bytes)
         q.print_report(rep)
         r = flow.build(model, args.board, args.outdir, args.force, ctx.shapes, ctx.command, emulate=args.emulate,
-                       builder=args.builder, threads=args.threads, max_weights_bytes=ctx.max_weights_bytes)
+                       builder=args.builder, threads=args.threads, max_weights_bytes=ctx.max_weights_bytes,
+                       optimize=args.optimize)
         shutil.copyfile(model, r.outdir / model.name)   # keep the model the C was made from
     print_summary(r.summary)
     return 0

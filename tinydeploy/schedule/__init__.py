@@ -65,17 +65,19 @@ from tinydeploy.schedule import tuning
 from tinydeploy.schedule.conv import _select_conv, conv_choice, conv_costs, is_depthwise  # noqa: F401  (the face)
 from tinydeploy.schedule.cost import _algo_env, _isa, blocking, pick_tile, ranked_tiles  # noqa: F401
 from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
-from tinydeploy.schedule.mcu import select_mcu
+from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 
 
-def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: int = 1) -> list[Kernel | None]:
+def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: int = 1,
+                   optimize: str = "balanced") -> list[Kernel | None]:
     """Replace generic fp32 conv2d/dense kernels by faster algorithms where the cost model says
-    so; with threads > 1, spread each fast layer over up to that many threads."""
+    so; with threads > 1, spread each fast layer over up to that many threads. `optimize`
+    (balanced, speed, size): what microcontroller kernels may spend flash on (schedule/mcu.py)."""
     force = _algo_env()
     # microcontrollers: weights packed for the DSP extension (8-bit) and the FPU (fp32) kernels
-    kernels = select_mcu(g, kernels, target)
+    kernels = select_mcu(g, kernels, target, optimize)
     if not target.caches and force == "auto":
         # cores without a data cache to block for (microcontrollers), where RAM matters more:
         # depthwise fp32 convolutions take the padded-plane kernel (one plane of scratch)
