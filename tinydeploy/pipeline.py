@@ -14,7 +14,7 @@ from tinydeploy.errors import TinydeployError
 from tinydeploy.frontend.importer import import_model, sha256_file
 from tinydeploy.ops import REGISTRY, Kernel, unsupported_nodes
 from tinydeploy.passes import LOWER_8BIT, run_passes
-from tinydeploy.schedule import select_kernels
+from tinydeploy.schedule import fit_scratch, select_kernels
 from tinydeploy.planner import Plan, plan_memory
 from tinydeploy.targets import Target
 
@@ -91,7 +91,7 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     g = prepared_graph(path, input_shapes, budget)
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
     kernels = select_kernels(g, lower(g), target, threads, optimize)   # fast conv/dense algorithms per layer
-    plan = plan_memory(g, kernels, target.alignment)
+    plan = plan_memory(g, kernels, target.alignment, fit_scratch)
     weights = {a: k.tensor(a, g) for k in kernels if k for a in k.args if k.tensor(a, g).is_const}
     weights_bytes = sum(t.nbytes for t in weights.values())
     if weights_bytes > budget.bytes:   # passes and kernel layouts can add to what the import held

@@ -1,17 +1,30 @@
 """Static memory planning: every runtime tensor gets an offset in one arena.
 
 1. Buffers: a view (Reshape...) shares its input's buffer; an elementwise op writes in place
-   when its input's buffer dies there (and is not a graph input or output).
+   when one of its same-size inputs dies there (and is not a graph input or output). Tensors a
+   kernel computes inside another (the layers of a patch-based chain, Kernel.fused) get none.
 2. Lifetimes: a buffer lives from the step that writes it to the last step that reads it; graph
    inputs from step 0, graph outputs to the end. Kernel scratch lives for its one step.
-3. Lower bound: the largest total size of buffers live during any one step. No plan can be
-   smaller; the arena is reported next to it.
-4. Placement: greedy by size (largest first, lowest offset that fits beside everything it
-   overlaps in time). A few orders are tried and the smallest arena kept.
+3. Lower bound: the per-layer bound, the largest total size of the tensors live during any one
+   step when every layer's inputs and outputs exist whole (views and elementwise in-place ops
+   as in 1, no kernel scratch). The arena is reported next to it; it can be smaller where
+   kernels overwrite their input (Kernel.alias) or run layers patch by patch.
+4. Kernel aliasing: a kernel that may write its output over its input 0 (Kernel.alias = d, the
+   output at byte d of the input's buffer; it reads what it needs first) gets its output
+   buffer anchored there when that input dies at its step: the two are placed together and
+   may share bytes at that one step.
+5. Placement: activations greedy by size (largest first, lowest offset that fits beside
+   everything it overlaps in time; anchored buffers as one group); a few orders are tried and
+   the smallest arena kept. Then each step's scratch goes into the largest hole under that
+   peak at its step, where the peak is the activations' or, where larger, what one step needs
+   with its kernel's smallest scratch (`fit(kernel, room)` sizes a kernel's scratch to the room,
+   e.g. its tile); above the peak only where fragmentation leaves no hole.
+6. The report says per step what is live and why (Plan.report; model.c prints it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tinydeploy import ir
 from tinydeploy.ops import REGISTRY, Kernel
@@ -26,6 +39,8 @@ class Buffer:
     tensors: list[str] = field(default_factory=list)
     pinned: bool = False          # holds a graph input or output: never written in place
     offset: int = -1
+    scratch: bool = False
+    anchor: tuple[int, int] | None = None    # (buffer id, byte offset in it) this one is placed at
 
 
 @dataclass
@@ -34,90 +49,279 @@ class Plan:
     arena_bytes: int
     lower_bound: int
     buffers: list[Buffer]
+    report: list[list[tuple[str, int, int, str]]] = field(default_factory=list)  # per step: (tensor, offset, bytes, why)
+    aliased: set[int] = field(default_factory=set)    # steps whose kernel writes over its input
+
+    @property
+    def peak_step(self) -> int:
+        """The step with the most bytes live (the first of them)."""
+        totals = [sum(b for _, _, b, _ in step) for step in self.report]
+        return max(range(len(totals)), key=lambda k: (totals[k], -k)) if totals else 0
 
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) -> Plan:
-    steps = len(g.nodes)
-    owner: dict[str, Buffer] = {}
-    buffers: list[Buffer] = []
+def _last_reader(g: ir.Graph, names: set[str]) -> int:
+    last = -1
+    for k, n in enumerate(g.nodes):
+        if names.intersection(n.inputs):
+            last = k
+    return last
 
-    def new_buffer(names: list[str], size: int, start: int) -> Buffer:
-        b = Buffer(len(buffers), _align(max(size, 1), alignment), start, start, list(names))
-        buffers.append(b)
+
+class _Builder:
+    """The buffers of one plan. kernel_level: also kernels' fused layers and aliasing (else the
+    per-layer view of the lower bound)."""
+
+    def __init__(self, g: ir.Graph, kernels: list[Kernel | None], alignment: int, kernel_level: bool,
+                 alias_steps: set[int] | None = None):
+        self.g, self.kernels, self.alignment = g, kernels, alignment
+        self.owner: dict[str, Buffer] = {}
+        self.buffers: list[Buffer] = []
+        self.aliased: set[int] = set()
+        fused = {s for k in kernels if k is not None and kernel_level for s in k.fused}
+        steps = len(g.nodes)
+        for name in g.inputs:
+            self._new([name], g.t(name).nbytes, 0).pinned = True
+        for k, (n, kern) in enumerate(zip(g.nodes, kernels)):
+            reads = list(n.inputs)
+            if kern is not None and kernel_level and kern.fused:
+                reads = [a for a in kern.args if not a.startswith("#")]
+            for i in reads:
+                if i and i in self.owner:
+                    self.owner[i].end = max(self.owner[i].end, k)
+            if k in fused:
+                continue                              # computed inside a later kernel: no buffer
+            d = REGISTRY[n.op]
+            x = n.inputs[0] if n.inputs else ""
+            if d.view and x in self.owner:
+                self._share(n.outputs[0], self.owner[x])
+                continue
+            if d.inplace and self._inplace(n, k):
+                continue
+            if (kernel_level and kern is not None and kern.alias is not None and (alias_steps is None or k in alias_steps)
+                    and self._dies_here(x, k) and kern.alias + g.t(n.outputs[0]).nbytes <= g.t(x).nbytes):
+                b = self._new([n.outputs[0]], g.t(n.outputs[0]).nbytes, k)
+                b.anchor = (self.owner[x].id, kern.alias)
+                self.aliased.add(k)
+                continue
+            outs = n.outputs if not (kern is not None and kernel_level and kern.fused) else \
+                [a for a in kern.args if a in n.outputs]
+            for o in outs:
+                if o:
+                    self._new([o], g.t(o).nbytes, k)
+        for name in g.outputs:
+            if name in self.owner:
+                self.owner[name].end = max(steps - 1, self.owner[name].end)
+                self.owner[name].pinned = True
+
+    def _new(self, names: list[str], size: int, start: int) -> Buffer:
+        b = Buffer(len(self.buffers), _align(max(size, 1), self.alignment), start, start, list(names))
+        self.buffers.append(b)
         for nm in names:
-            owner[nm] = b
+            self.owner[nm] = b
         return b
 
-    for name in g.inputs:
-        new_buffer([name], g.t(name).nbytes, 0).pinned = True
-    for k, (n, kern) in enumerate(zip(g.nodes, kernels)):
-        for i in n.inputs:
-            if i and i in owner:
-                owner[i].end = max(owner[i].end, k)
-        d = REGISTRY[n.op]
-        x = n.inputs[0] if n.inputs else ""
-        if d.view and x in owner:
-            b = owner[x]
-            b.tensors.append(n.outputs[0])
-            owner[n.outputs[0]] = b
-            continue
-        if (d.inplace and x in owner and not owner[x].pinned and owner[x].end == k
-                and not any(t in g.outputs for t in owner[x].tensors)   # outputs are pinned only below
-                and _last_use(g, owner[x], k) and g.t(x).nbytes == g.t(n.outputs[0]).nbytes):
-            b = owner[x]
-            b.tensors.append(n.outputs[0])
-            owner[n.outputs[0]] = b
-            continue
-        for o in n.outputs:
-            if o:
-                new_buffer([o], g.t(o).nbytes, k)
-        if kern is not None and kern.scratch_bytes:
-            new_buffer([f"#scratch{k}"], kern.scratch_bytes, k)
-    for name in g.outputs:
-        if name in owner:
-            owner[name].end = max(steps - 1, owner[name].end)
-            owner[name].pinned = True
+    def _share(self, name: str, b: Buffer) -> None:
+        b.tensors.append(name)
+        self.owner[name] = b
 
-    lower = 0
-    for k in range(max(steps, 1)):
-        lower = max(lower, sum(b.size for b in buffers if b.start <= k <= b.end))
+    def _dies_here(self, x: str, k: int) -> bool:
+        """Tensor x's buffer can be overwritten by step k: its last reader is k, it holds no graph
+        input or output."""
+        b = self.owner.get(x)
+        return (b is not None and not b.pinned and b.end == k and not any(t in self.g.outputs for t in b.tensors)
+                and _last_reader(self.g, set(b.tensors)) <= k)
+
+    def _inplace(self, n: ir.Node, k: int) -> bool:
+        """An elementwise op writes over the first same-size input that dies at its step."""
+        out = n.outputs[0]
+        for x in n.inputs:
+            if x and self._dies_here(x, k) and self.g.t(x).nbytes == self.g.t(out).nbytes:
+                self._share(out, self.owner[x])
+                return True
+        return False
+
+
+def _groups(buffers: list[Buffer]) -> list[list[tuple[Buffer, int]]]:
+    """Anchored buffers as groups: [(buffer, offset relative to the group)], root first."""
+    by_id = {b.id: b for b in buffers}
+    rel: dict[int, tuple[int, int]] = {}
+
+    def root(b: Buffer) -> tuple[int, int]:
+        if b.id not in rel:
+            if b.anchor is None:
+                rel[b.id] = (b.id, 0)
+            else:
+                r, off = root(by_id[b.anchor[0]])
+                rel[b.id] = (r, off + b.anchor[1])
+        return rel[b.id]
+
+    groups: dict[int, list[tuple[Buffer, int]]] = {}
+    for b in buffers:
+        r, off = root(b)
+        groups.setdefault(r, []).append((b, off))
+    out = []
+    for members in groups.values():
+        low = min(off for _, off in members)
+        out.append([(b, off - low) for b, off in members])
+    return out
+
+
+def _place(groups: list[list[tuple[Buffer, int]]]) -> int:
+    placed: list[Buffer] = []
+    total = 0
+    for grp in groups:
+        ids = {b.id for b, _ in grp}
+        cands = {0}
+        for b, rel in grp:
+            for p in placed:
+                if p.start <= b.end and b.start <= p.end:
+                    cands.add(max(0, p.offset + p.size - rel))
+        for off in sorted(cands):
+            if all(not (p.start <= b.end and b.start <= p.end and p.offset < off + rel + b.size
+                        and off + rel < p.offset + p.size)
+                   for b, rel in grp for p in placed if p.id not in ids):
+                break
+        for b, rel in grp:
+            b.offset = off + rel
+            placed.append(b)
+            total = max(total, b.offset + b.size)
+    return total
+
+
+def _place_best(buffers: list[Buffer], floor: int) -> int:
+    groups = _groups(buffers)
+
+    def size(grp):
+        return max(rel + b.size for b, rel in grp)
+
+    def start(grp):
+        return min(b.start for b, _ in grp)
+
+    def span(grp):
+        return max(b.end for b, _ in grp) - start(grp)
 
     best = None
-    for order in (lambda b: (-b.size, b.start, b.id), lambda b: (b.start, -b.size, b.id),
-                  lambda b: (-(b.end - b.start), -b.size, b.id)):
-        total = _place(sorted(buffers, key=order))
+    for order in (lambda x: (-size(x), start(x), x[0][0].id), lambda x: (start(x), -size(x), x[0][0].id),
+                  lambda x: (-span(x), -size(x), x[0][0].id)):
+        total = _place(sorted(groups, key=order))
         if best is None or total < best[0]:
             best = (total, {b.id: b.offset for b in buffers})
-        if total == lower:
+        if total == floor:
             break
     total, offs = best
     for b in buffers:
         b.offset = offs[b.id]
-    offsets = {nm: b.offset for b in buffers for nm in b.tensors}
-    return Plan(offsets, total, lower, buffers)
-
-
-def _last_use(g: ir.Graph, b: Buffer, k: int) -> bool:
-    """No tensor of buffer b is read after step k (checked over the whole schedule)."""
-    names = set(b.tensors)
-    return not any(names.intersection(n.inputs) for n in g.nodes[k + 1:])
-
-
-def _place(order: list[Buffer]) -> int:
-    placed: list[Buffer] = []
-    total = 0
-    for b in order:
-        busy = sorted((p.offset, p.offset + p.size) for p in placed if p.start <= b.end and b.start <= p.end)
-        off = 0
-        for lo, hi in busy:
-            if off + b.size <= lo:
-                break
-            off = max(off, hi)
-        b.offset = off
-        placed.append(b)
-        total = max(total, off + b.size)
     return total
+
+
+def _holes(buffers: list[Buffer], step: int, limit: int) -> list[tuple[int, int]]:
+    """Free byte ranges [lo, hi) below `limit` at `step`."""
+    busy = sorted((b.offset, b.offset + b.size) for b in buffers if b.start <= step <= b.end)
+    out, cur = [], 0
+    for lo, hi in busy:
+        if lo > cur:
+            out.append((cur, lo))
+        cur = max(cur, hi)
+    if cur < limit:
+        out.append((cur, limit))
+    return out
+
+
+def _live_bytes(buffers: list[Buffer], step: int) -> int:
+    """Bytes the placed buffers live at `step` cover (anchored ones may share bytes)."""
+    total, cur = 0, 0
+    for lo, hi in sorted((b.offset, b.offset + b.size) for b in buffers if b.start <= step <= b.end):
+        total += max(0, hi - max(lo, cur))
+        cur = max(cur, hi)
+    return total
+
+
+def _live_peak(buffers: list[Buffer], steps: int) -> int:
+    return max((sum(b.size for b in buffers if b.start <= k <= b.end) for k in range(max(steps, 1))), default=0)
+
+
+def lower_bound(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) -> int:
+    """The per-layer lower bound (module text, 3)."""
+    return _live_peak(_Builder(g, kernels, alignment, kernel_level=False).buffers, len(g.nodes))
+
+
+def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
+                fit: Callable[[Kernel, int], None] | None = None) -> Plan:
+    """The arena. `fit(kernel, room)`: sizes a kernel's scratch (e.g. its tile) to at most `room`
+    bytes where it can (its smallest otherwise), after params["INPLACE"] says whether it writes
+    over its input. Kernels that may alias their input at no cost do so wherever the input dies;
+    the others only where that makes the arena smaller."""
+    costly = [k for k, kern in enumerate(kernels) if kern is not None and kern.alias is not None and not kern.alias_free]
+    enabled = {k for k, kern in enumerate(kernels) if kern is not None and kern.alias is not None and kern.alias_free}
+    best = _plan(g, kernels, alignment, fit, enabled)
+    for k in costly:
+        trial = _plan(g, kernels, alignment, fit, enabled | {k})
+        if k in trial.aliased and trial.arena_bytes < best.arena_bytes:
+            enabled.add(k)
+            best = trial
+    if costly:      # the kernels' parameters as the chosen plan has them
+        best = _plan(g, kernels, alignment, fit, enabled)
+    return best
+
+
+def _plan(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, enabled: set[int]) -> Plan:
+    steps = len(g.nodes)
+    bld = _Builder(g, kernels, alignment, kernel_level=True, alias_steps=enabled)
+    for k, kern in enumerate(kernels):
+        if kern is not None and kern.alias is not None:
+            kern.params = dict(kern.params, INPLACE=k in bld.aliased)
+    acts = bld.buffers
+    peak = _place_best(acts, _live_peak(acts, steps))
+    need = [k for k, kern in enumerate(kernels) if kern is not None and (kern.scratch_bytes or kern.params.get("INPLACE"))]
+    if fit is not None:
+        # the arena the smallest scratch allows: every kernel then sizes its own up to it
+        for k in need:
+            fit(kernels[k], 0)
+            peak = max(peak, _live_bytes(acts, k) + _align(kernels[k].scratch_bytes, alignment))
+    scratch: list[Buffer] = []
+    for k in need:
+        kern = kernels[k]
+        holes = _holes(acts + scratch, k, peak)
+        if fit is not None:
+            fit(kern, max((hi - lo for lo, hi in holes), default=0) // alignment * alignment)
+        if not kern.scratch_bytes:
+            continue
+        size = _align(kern.scratch_bytes, alignment)
+        lo = next(lo for lo, hi in _holes(acts + scratch, k, 1 << 40) if hi - lo >= size)
+        scratch.append(Buffer(len(acts) + len(scratch), size, k, k, [f"#scratch{k}"], offset=lo, scratch=True))
+        peak = max(peak, lo + size)
+    buffers = acts + scratch
+    offsets = {nm: b.offset for b in buffers for nm in b.tensors}
+    plan = Plan(offsets, peak, lower_bound(g, kernels, alignment), buffers, aliased=set(bld.aliased))
+    plan.report = _report(g, kernels, buffers)
+    return plan
+
+
+def _report(g: ir.Graph, kernels: list[Kernel | None], buffers: list[Buffer]) -> list[list[tuple[str, int, int, str]]]:
+    """Per step: every live buffer as (its first tensor, offset, bytes, why it is live)."""
+    out = []
+    for k, n in enumerate(g.nodes):
+        rows = []
+        for b in sorted((b for b in buffers if b.start <= k <= b.end), key=lambda b: b.offset):
+            name = b.tensors[0]
+            if b.scratch:
+                why = "scratch of this layer"
+            elif any(t in n.outputs for t in b.tensors) and b.start == k:
+                why = "written here" + (" over its input" if b.anchor is not None else "")
+            elif any(t in n.inputs for t in b.tensors) or (kernels[k] is not None and any(
+                    t in kernels[k].args for t in b.tensors)):
+                why = "read here" + (", last use" if b.end == k and not b.pinned else "")
+            elif b.pinned and b.start == 0 and any(t in g.inputs for t in b.tensors):
+                why = f"graph input, read at step {_last_reader(g, set(b.tensors))}"
+            elif b.pinned and any(t in g.outputs for t in b.tensors):
+                why = "graph output"
+            else:
+                nxt = next((j for j in range(k + 1, len(g.nodes)) if set(b.tensors).intersection(g.nodes[j].inputs)), b.end)
+                why = f"kept for step {nxt}"
+            rows.append((name, b.offset, b.size, why))
+        out.append(rows)
+    return out

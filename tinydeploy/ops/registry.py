@@ -38,6 +38,11 @@ class Kernel:
     desc: str = ""                  # one-line human description for the comment
     consts: dict[str, ir.Tensor] = field(default_factory=dict)   # build-time arrays it made, by name
     scratch_dtype: str = "float32"  # the C type its scratch argument points to
+    # It may write its output at byte `alias` of input 0's buffer (it reads what it needs first;
+    # the planner decides, and sets params["INPLACE"]); alias_free: at no cost in instructions.
+    alias: int | None = None
+    alias_free: bool = True
+    fused: tuple[int, ...] = ()     # earlier steps it computes itself (their outputs get no buffer)
 
     def tensor(self, name: str, g: ir.Graph, step: int | None = None) -> ir.Tensor:
         """An argument's tensor: one of the kernel's own constants, its scratch, or the graph's."""

@@ -65,7 +65,7 @@ from tinydeploy.schedule import tuning
 from tinydeploy.schedule.conv import _select_conv, conv_choice, conv_costs, is_depthwise  # noqa: F401  (the face)
 from tinydeploy.schedule.cost import _algo_env, _isa, blocking, pick_tile, ranked_tiles  # noqa: F401
 from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
-from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
+from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, fit_scratch, flash_choices, select_mcu  # noqa: F401
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 

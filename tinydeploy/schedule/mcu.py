@@ -69,6 +69,12 @@ OPTIMIZE = ("balanced", "speed", "size")
 # and it pushes the inner loop's spilled loop bound beyond the reach of an SP-relative load.)
 SCRATCH_WORDS = 1536
 TILE_PIXELS = 64
+# With the arena planned (fit_scratch), a tile takes whatever room there is under the peak at its
+# step, up to this many pixels.
+TILE_MAX = 64
+TILE_MIN = 16     # below this the per-tile work of a block (scales, bias, pointers) starts to show
+# Depthwise planes copied into scratch framed by their padding up to this size (bytes).
+DW_PLANE_BYTES = 4096
 # --optimize speed: the int16 layout takes two bytes where one-byte ones take one; at most this
 # much more flash is spent on it, the layers that gain most per byte first.
 EXTRA_FLASH_BYTES = 384 * 1024
@@ -345,6 +351,7 @@ def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target, optimize: st
             tile = tile_pixels(k.params, pairs)
             _attach(g, step, k, packed, tile * pairs, text + (" (flat)" if flat else ""),
                     FLAT=flat, KP=pairs, T_=tile, **rs_params)
+            _gemm_in_place(k)
         elif lay == "i16":
             pairs = (k.params["K"] + 1) // 2
             _attach(g, step, k, packed, 2 * pairs, text, KP=pairs, **rs_params)
@@ -362,6 +369,60 @@ def flash_choices(kernels: list[Kernel | None]) -> dict:
             out["layers"][k.params["WL"]] = out["layers"].get(k.params["WL"], 0) + 1
             out["extra_bytes"] += int(k.params.get("FLASH_EXTRA", 0))
     return out
+
+
+def _gemm_in_place(k: Kernel) -> None:
+    """A DSP GEMM convolution may write its output over its input (Kernel.alias) when its output
+    planes lie on its input planes (stride 1, same plane, one image): output channel m on input
+    channel m - max(0, M - C), the first M - C planes before the input. The tile's input is
+    gathered into scratch before its outputs are written. An output pixel p may
+    land on input pixel p once no later tile reads it, DB = PT W + PL pixels behind the gathered
+    ones: with DB > 0 the kernel keeps one tile of outputs back in scratch (T >= DB), which costs
+    a copy, so the planner only takes it where the arena shrinks."""
+    p = k.params
+    if p["SH"] == p["SW"] == 1 and p["OH"] == p["H"] and p["OW"] == p["W"] and p["N"] == 1:
+        # output plane m on input plane m - (M - C): with more output channels than input ones
+        # the output starts (M - C) planes before the input
+        k.alias = min(0, p["C"] - p["M"]) * p["H"] * p["W"]
+        p["DB"] = p["PT"] * p["W"] + p["PL"]
+        k.alias_free = p["DB"] == 0
+
+
+def _select_dw(g: ir.Graph, step: int, k: Kernel, target) -> None:
+    """DSP depthwise convolutions of 3-wide windows (_qconv_dw_dsp.j2): each channel's plane is
+    copied into arena scratch framed by its padding (HP x WP bytes) when that is at most
+    DW_PLANE_BYTES; the output then may overwrite the input (a plane is read whole before its
+    output is written, and output plane c ends where input plane c does or before)."""
+    p = k.params
+    if not (p.get("form") == "dw" and p["TX"] in ("int8_t", "uint8_t") and p["TW"] in ("int8_t", "int16_t")
+            and p["KW"] == 3 and p["DW"] == 1 and p["SW"] <= 2 and _uses(k, target, target.isa_with_role(DSP_ROLE))):
+        return
+    hp = max(p["H"] + p["PT"], (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] + 1)
+    wp = max(p["W"] + p["PL"], (p["OW"] - 1) * p["SW"] + 3)
+    wp += 1 if p["SW"] == 1 and p["OW"] % 2 else 0
+    if hp * wp + 4 <= DW_PLANE_BYTES:
+        p.update(HP=hp, WP=wp)
+        k.scratch_bytes = hp * wp + 4
+        k.scratch_dtype = "uint8" if p["TX"] == "uint8_t" else "int8"
+        k.args = list(k.args) + [scratch_arg(step)]
+        k.alias = 0
+
+
+def fit_scratch(k: Kernel, room: int) -> None:
+    """Size a kernel's scratch to at most `room` bytes where it can (module text): the tile of a
+    GEMM kernel, the largest even number of pixels up to TILE_MAX (and the layer's pixels) that
+    fits, at least TILE_MIN (and the held-back outputs' distance DB when it writes over its
+    input); fit_scratch(k, 0) leaves each at its smallest."""
+    p = k.params
+    if not p.get("PACKED") or "T_" not in p:
+        return
+    per_pixel = 4 * (p["KP"] if k.family == "qconv2d" else p["C"] * p["KH"] * p["KW"])
+    stage = p["M"] if k.family == "qconv2d" and p.get("INPLACE") and p.get("DB") else 0
+    pixels = (p["OH"] * p["OW"] + 1) // 2 * 2
+    low = max(min(TILE_MIN, pixels), (p.get("DB", 0) + 1) // 2 * 2 if stage else 2)
+    t = max(low, min(TILE_MAX, pixels, room // (per_pixel + stage) // 2 * 2))
+    k.params = dict(p, T_=t)
+    k.scratch_bytes = t * (per_pixel + stage)
 
 
 def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
@@ -382,5 +443,8 @@ def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
 def select_mcu(g: ir.Graph, kernels: list[Kernel | None], target, optimize: str = "balanced") -> list[Kernel | None]:
     """Weights packed for the Cortex-M kernels that multiply from registers (see the module text)."""
     _select_8bit(g, kernels, target, check_optimize(optimize))
+    for step, k in enumerate(kernels):
+        if k is not None and k.family == "qconv2d" and not k.params.get("PACKED"):
+            _select_dw(g, step, k, target)
     _select_fp32(g, kernels, target)
     return kernels
