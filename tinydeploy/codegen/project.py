@@ -201,6 +201,7 @@ def _runtime_needs(needs: set) -> dict:
         requant.add("requant_scale")
     dsp = {n for n in simple if n in ("sxtb16_r8", "pkhbt", "pkhtb", "smlal")}
     dsp |= {f"{w[1]}xtab16_r8" for w in needs if w[0] == "xtab16_r8"}
+    dsp |= {f"{w[1]}xtb16_r8" for w in needs if w[0] == "xtb16_r8"}
     return {"requant": sorted(requant), "dsp": sorted(dsp),
             "smlad_loops": sorted(w[1:] for w in needs if w[0] == "smlad_loop"),
             "smlad_rows": sorted(w[1] for w in needs if w[0] == "smlad_rows_loop"),

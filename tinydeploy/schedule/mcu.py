@@ -401,10 +401,19 @@ def _select_dw(g: ir.Graph, step: int, k: Kernel, target) -> None:
     wp = max(p["W"] + p["PL"], (p["OW"] - 1) * p["SW"] + 3)
     wp += 1 if p["SW"] == 1 and p["OW"] % 2 else 0
     if hp * wp + 4 <= DW_PLANE_BYTES:
-        p.update(HP=hp, WP=wp)
+        # the bias takes the input zero point's share over the whole window, whose padding the
+        # buffer holds as zx: b' = b - zx_loop * sum(w) (exact; the kernel then widens x as it is)
+        zs = p["ZX"] if p["zp_in_loop"] else 0
+        w = k.tensor(k.args[1], g).data.astype(np.int64).reshape(p["C"], -1)
+        b = k.tensor(k.args[2], g).data.astype(np.int64) - zs * w.sum(axis=1)
+        if np.abs(b).max(initial=0) >= 2**31:
+            return
+        bias = new_const(g, k.consts, k.args[2] + "_window", b.astype(np.int32))
+        rs_args, rs_params = _requant_scales(g, k, 3)
+        p.update(HP=hp, WP=wp, **rs_params)
         k.scratch_bytes = hp * wp + 4
         k.scratch_dtype = "uint8" if p["TX"] == "uint8_t" else "int8"
-        k.args = list(k.args) + [scratch_arg(step)]
+        k.args = list(k.args[:2]) + [bias] + rs_args + list(k.args[5:]) + [scratch_arg(step)]
         k.alias = 0
 
 
