@@ -14,7 +14,7 @@ from tinydeploy.errors import TinydeployError
 from tinydeploy.frontend.importer import import_model, sha256_file
 from tinydeploy.ops import REGISTRY, Kernel, unsupported_nodes
 from tinydeploy.passes import LOWER_8BIT, run_passes
-from tinydeploy.schedule import fit_scratch, select_kernels
+from tinydeploy.schedule import chain_candidates, fit_scratch, select_kernels
 from tinydeploy.planner import Plan, plan_memory
 from tinydeploy.targets import Target
 
@@ -91,8 +91,9 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     g = prepared_graph(path, input_shapes, budget)
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
     kernels = select_kernels(g, lower(g), target, threads, optimize)   # fast conv/dense algorithms per layer
-    plan = plan_memory(g, kernels, target.alignment, fit_scratch)
-    weights = {a: k.tensor(a, g) for k in kernels if k for a in k.args if k.tensor(a, g).is_const}
+    # on microcontrollers the planner may run early layers patch by patch (schedule/stream.py)
+    plan = plan_memory(g, kernels, target.alignment, fit_scratch, chain_candidates if target.bare_metal else None, macs)
+    weights = {a: t for k in kernels if k for a, t in k.constants(g).items()}
     weights_bytes = sum(t.nbytes for t in weights.values())
     if weights_bytes > budget.bytes:   # passes and kernel layouts can add to what the import held
         largest = max(weights, key=lambda w: (weights[w].nbytes, w))
@@ -102,4 +103,4 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     sha = sha256_file(Path(path))
     info = project.ModelInfo(Path(path).name, sha, command, board)
     files = project.generate(g, kernels, plan, info, target.isas, target.alignment, macs)
-    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes, Path(path).name)
+    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes + plan.notes, Path(path).name)

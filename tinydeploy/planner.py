@@ -51,6 +51,7 @@ class Plan:
     buffers: list[Buffer]
     report: list[list[tuple[str, int, int, str]]] = field(default_factory=list)  # per step: (tensor, offset, bytes, why)
     aliased: set[int] = field(default_factory=set)    # steps whose kernel writes over its input
+    notes: list[str] = field(default_factory=list)    # what the planner chose and why (patch-based chains)
 
     @property
     def peak_step(self) -> int:
@@ -101,8 +102,11 @@ class _Builder:
                 continue
             if d.inplace and self._inplace(n, k):
                 continue
+            if kern is not None and kern.fused:
+                x = kern.args[0]
             if (kernel_level and kern is not None and kern.alias is not None and (alias_steps is None or k in alias_steps)
-                    and self._dies_here(x, k) and kern.alias + g.t(n.outputs[0]).nbytes <= g.t(x).nbytes):
+                    and self._dies_here(x, k, inputs_ok=bool(kern.fused))
+                    and kern.alias + g.t(n.outputs[0]).nbytes <= g.t(x).nbytes):
                 b = self._new([n.outputs[0]], g.t(n.outputs[0]).nbytes, k)
                 b.anchor = (self.owner[x].id, kern.alias)
                 self.aliased.add(k)
@@ -128,11 +132,13 @@ class _Builder:
         b.tensors.append(name)
         self.owner[name] = b
 
-    def _dies_here(self, x: str, k: int) -> bool:
+    def _dies_here(self, x: str, k: int, inputs_ok: bool = False) -> bool:
         """Tensor x's buffer can be overwritten by step k: its last reader is k, it holds no graph
-        input or output."""
+        output, nor a graph input unless `inputs_ok` (a patch-based chain writes only into the
+        source rows it no longer reads; every inference starts from a fresh copy of its inputs)."""
         b = self.owner.get(x)
-        return (b is not None and not b.pinned and b.end == k and not any(t in self.g.outputs for t in b.tensors)
+        return (b is not None and (not b.pinned or inputs_ok) and b.end == k
+                and not any(t in self.g.outputs for t in b.tensors)
                 and _last_reader(self.g, set(b.tensors)) <= k)
 
     def _inplace(self, n: ir.Node, k: int) -> bool:
@@ -249,12 +255,47 @@ def lower_bound(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16) 
     return _live_peak(_Builder(g, kernels, alignment, kernel_level=False).buffers, len(g.nodes))
 
 
+# A patch-based chain (Kernel.fused) is taken when it makes the arena smaller by at least this
+# share, and adds at most this many instructions per MAC of the model (the candidate's estimate).
+CHAIN_MIN_SAVING = 0.05
+CHAIN_MAX_ADDED = 0.1
+
+
 def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
-                fit: Callable[[Kernel, int], None] | None = None) -> Plan:
+                fit: Callable[[Kernel, int], None] | None = None, chains: Callable | None = None,
+                macs: int = 0) -> Plan:
     """The arena. `fit(kernel, room)`: sizes a kernel's scratch (e.g. its tile) to at most `room`
     bytes where it can (its smallest otherwise), after params["INPLACE"] says whether it writes
     over its input. Kernels that may alias their input at no cost do so wherever the input dies;
-    the others only where that makes the arena smaller."""
+    the others only where that makes the arena smaller. `chains(g, kernels)`: candidate kernel
+    lists that run some layers patch by patch (each with .kernels, .added instructions, .desc);
+    the one that saves the most is taken where it pays (CHAIN_MIN_SAVING, CHAIN_MAX_ADDED), and
+    `kernels` is changed in place to it."""
+    plan = _plan_aliases(g, kernels, alignment, fit)
+    notes = []
+    for _ in range(3 if chains else 0):
+        best = None
+        for cand in chains(g, kernels):
+            if cand.added > CHAIN_MAX_ADDED * macs:
+                continue
+            trial = _plan_aliases(g, cand.kernels, alignment, fit)
+            if trial.arena_bytes <= plan.arena_bytes * (1 - CHAIN_MIN_SAVING) and (
+                    best is None or (trial.arena_bytes, cand.added) < (best[1].arena_bytes, best[0].added)):
+                best = (cand, trial)
+        if best is None:
+            break
+        cand, _ = best
+        notes.append(f"{cand.desc}: arena {plan.arena_bytes:,} -> {best[1].arena_bytes:,} B "
+                     f"(-{plan.arena_bytes - best[1].arena_bytes:,} B), about +{cand.added:,} instructions")
+        kernels[:] = cand.kernels
+        plan = _plan_aliases(g, kernels, alignment, fit)
+    plan.notes = notes
+    return plan
+
+
+def _plan_aliases(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit) -> Plan:
+    """The plan with the kernels' aliasing decided: free ones wherever possible, costly ones where
+    they make the arena smaller."""
     costly = [k for k, kern in enumerate(kernels) if kern is not None and kern.alias is not None and not kern.alias_free]
     enabled = {k for k, kern in enumerate(kernels) if kern is not None and kern.alias is not None and kern.alias_free}
     best = _plan(g, kernels, alignment, fit, enabled)

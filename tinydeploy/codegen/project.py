@@ -214,12 +214,11 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     # Kernels: render each layer's specialisation once; #include lines go to the top of the file,
     # the td_runtime.h helpers the calls use are collected.
     funcs, by_source, counters, includes, needs = [], {}, {}, [], set()
-    layers, calls, fparams = [], {}, {}
-    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
-        if k is None:
-            continue
+    layers, calls, fparams, part_calls = [], {}, {}, {}
+
+    def render(k: Kernel, extra: dict | None = None) -> tuple[str, str]:
         with kreg.collecting_needs(needs):
-            source, isa = kreg.render(k.family, k.dtype, k.params, "@FN@", isas)
+            source, isa = kreg.render(k.family, k.dtype, dict(k.params, **(extra or {})), "@FN@", isas)
         fn = by_source.get(source)
         if fn is None:
             num = counters.get((k.family, k.dtype), 0)
@@ -231,27 +230,47 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             fparams[fn] = _param_names(proto)
             funcs.append({"comment": c_comment(f"{k.family} {k.dtype} ({isa}): {k.desc}", 200),
                           "source": text.lstrip("\n"), "prototype": proto})
-        calls[step] = (fn, isa)
+        return fn, isa
 
-    # Weights: every constant a kernel reads, in order of first use, named by layer and role:
-    # td_l<step>_<node name, shortened>_<role>, the role from the kernel's parameter name.
-    weights, wsym, winfo, taken = [], {}, {}, set()
     for step, (n, k) in enumerate(zip(g.nodes, kerns)):
         if k is None:
             continue
-        fn, isa = calls[step]
+        if k.parts:           # a kernel that calls others (a patch-based chain): rendered once they are named
+            part_calls[step] = [render(pt) for pt in k.parts]
+            continue
+        calls[step] = render(k)
+
+    # Weights: every constant a kernel reads, in order of first use, named by layer and role:
+    # td_l<step>_<node name, shortened>_<role>, the role from the kernel's parameter name. The
+    # parts of a chain name theirs after their own layers.
+    weights, wsym, winfo, taken = [], {}, {}, set()
+
+    def name_weights(layer: int, k: Kernel, fn: str, isa: str) -> None:
         params = fparams[fn]
         if len(params) != len(k.args):
-            raise TinydeployError(f"kernel {fn} takes {len(params)} arguments, layer {step} passes {len(k.args)}; "
+            raise TinydeployError(f"kernel {fn} takes {len(params)} arguments, layer {layer} passes {len(k.args)}; "
                                   "this is a tinydeploy bug")
-        stem = _stem(n.name or n.onnx_op, 32)
+        node = g.nodes[layer]
+        stem = _stem(node.name or node.onnx_op, 32)
         for a, param in zip(k.args, params):
+            if a.startswith("@"):
+                continue
             t = k.tensor(a, g)
             if t.is_const and a not in wsym:
                 role = _role(param, params)
-                wsym[a] = _unique(f"td_l{step}_{stem}", taken, f"_{role}")
-                winfo[a] = c_comment(f"layer {step} ({n.onnx_op}) {_role_text(role, param, t, k, isa)}", 160)
+                wsym[a] = _unique(f"td_l{layer}_{stem}", taken, f"_{role}")
+                winfo[a] = c_comment(f"layer {layer} ({node.onnx_op}) {_role_text(role, param, t, k, isa)}", 160)
                 weights.append(t)
+
+    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
+        if k is None:
+            continue
+        if k.parts:
+            for pt, (fn, isa), layer in zip(k.parts, part_calls[step], k.params["levels"]):
+                name_weights(layer["step"], pt, fn, isa)
+            parts = [{"fn": fn, "args": [wsym.get(a, a) for a in pt.args]} for pt, (fn, _) in zip(k.parts, part_calls[step])]
+            calls[step] = render(k, {"parts": parts})
+        name_weights(step, k, *calls[step])
     weights_bytes = sum(t.nbytes for t in weights)
     blob = weights_bytes > BLOB_THRESHOLD
 
@@ -270,7 +289,9 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
         desc = (f"{step}: {n.onnx_op} \"{c_comment(n.name, 60)}\" "
                 + " ".join(_shape(g.t(i)) for i in ins) + " -> " + " ".join(_shape(g.t(o)) for o in n.outputs if o))
         if k is None:
-            layers.append({"comment": desc + " (view: no code)", "call": ""})
+            by = next((s for s, kk in enumerate(kerns) if kk is not None and step in kk.fused), None)
+            layers.append({"comment": desc + (" (view: no code)" if by is None else
+                                              f" (computed by step {by}, row by row)"), "call": ""})
             continue
         args = [wsym[a] if lookup[a].is_const else f"({c_type(lookup[a].dtype)} *)TD_AT({off[a]})" for a in k.args]
         layers.append({"comment": desc, "call": _call(calls[step][0], args)})

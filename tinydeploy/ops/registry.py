@@ -43,6 +43,18 @@ class Kernel:
     alias: int | None = None
     alias_free: bool = True
     fused: tuple[int, ...] = ()     # earlier steps it computes itself (their outputs get no buffer)
+    # kernels it calls (a patch-based chain's layers): their args name their constants, "@in",
+    # "@out" and "@scratch" for what the caller passes
+    parts: list["Kernel"] = field(default_factory=list)
+
+    def constants(self, g: ir.Graph) -> dict[str, ir.Tensor]:
+        """Every constant it and its parts read, by name, in order of first use."""
+        out = {}
+        for k in [self] + self.parts:
+            for a in k.args:
+                if not a.startswith(("@", "#")) and a not in out and k.tensor(a, g).is_const:
+                    out[a] = k.tensor(a, g)
+        return out
 
     def tensor(self, name: str, g: ir.Graph, step: int | None = None) -> ir.Tensor:
         """An argument's tensor: one of the kernel's own constants, its scratch, or the graph's."""

@@ -65,7 +65,8 @@ from tinydeploy.schedule import tuning
 from tinydeploy.schedule.conv import _select_conv, conv_choice, conv_costs, is_depthwise  # noqa: F401  (the face)
 from tinydeploy.schedule.cost import _algo_env, _isa, blocking, pick_tile, ranked_tiles  # noqa: F401
 from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
-from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, fit_scratch, flash_choices, select_mcu  # noqa: F401
+from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
+from tinydeploy.schedule import mcu, stream
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 
@@ -104,6 +105,17 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
                 k.desc = k.desc.replace("] ", " tuned] " if forced is None else " candidate] ", 1)
         out.append(parallelise(g, step, k, threads))
     return out
+
+
+def fit_scratch(k: Kernel, room: int) -> None:
+    """Size kernel k's scratch to the `room` bytes the planner found at its step (microcontroller
+    kernels: GEMM tiles, patch-based chains; others keep theirs)."""
+    (stream.fit if k.family == "stream" else mcu.fit_scratch)(k, room)
+
+
+def chain_candidates(g: ir.Graph, kernels: list[Kernel | None]) -> list:
+    """Patch-based chains the planner may take (schedule/stream.py)."""
+    return stream.candidates(g, kernels)
 
 
 def selection_state(target) -> str:

@@ -417,18 +417,18 @@ def _select_dw(g: ir.Graph, step: int, k: Kernel, target) -> None:
         k.alias = 0
 
 
-def fit_scratch(k: Kernel, room: int) -> None:
+def fit_scratch(k: Kernel, room: int, tile_min: int = 0) -> None:
     """Size a kernel's scratch to at most `room` bytes where it can (module text): the tile of a
     GEMM kernel, the largest even number of pixels up to TILE_MAX (and the layer's pixels) that
-    fits, at least TILE_MIN (and the held-back outputs' distance DB when it writes over its
-    input); fit_scratch(k, 0) leaves each at its smallest."""
+    fits, at least `tile_min` (default TILE_MIN; and the held-back outputs' distance DB when it
+    writes over its input); fit_scratch(k, 0) leaves each at its smallest."""
     p = k.params
     if not p.get("PACKED") or "T_" not in p:
         return
     per_pixel = 4 * (p["KP"] if k.family == "qconv2d" else p["C"] * p["KH"] * p["KW"])
     stage = p["M"] if k.family == "qconv2d" and p.get("INPLACE") and p.get("DB") else 0
     pixels = (p["OH"] * p["OW"] + 1) // 2 * 2
-    low = max(min(TILE_MIN, pixels), (p.get("DB", 0) + 1) // 2 * 2 if stage else 2)
+    low = max(min(tile_min or TILE_MIN, pixels), (p.get("DB", 0) + 1) // 2 * 2 if stage else 2)
     t = max(low, min(TILE_MAX, pixels, room // (per_pixel + stage) // 2 * 2))
     k.params = dict(p, T_=t)
     k.scratch_bytes = t * (per_pixel + stage)
