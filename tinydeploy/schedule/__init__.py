@@ -82,7 +82,7 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
     if not target.caches and force == "auto":
         # cores without a data cache to block for (microcontrollers), where RAM matters more:
         # depthwise fp32 convolutions take the padded-plane kernel (one plane of scratch)
-        return [_select_conv(g, s, k, target, "conv2d_dw")
+        return [mcu.in_place_dw_f32(_select_conv(g, s, k, target, "conv2d_dw"))
                 if k is not None and k.family == "conv2d" and k.dtype == "f32" and is_depthwise(k.params) else k
                 for s, k in enumerate(kernels)]
     # The tuning database's measured choice for a layer shape beats the cost model; the

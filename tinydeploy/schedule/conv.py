@@ -111,6 +111,20 @@ def _pack_conv_weights(w: np.ndarray, G: int, mr: int) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(G, mp // mr, mr, k).transpose(0, 1, 3, 2)).reshape(-1)
 
 
+def dw_scratch_bytes(p: dict) -> int:
+    """Scratch of the fp32 depthwise kernel (conv2d_dw_f32_ref.c.j2): the padded plane (stride 2:
+    4 phase planes), zero slack, the flat accumulator."""
+    hp = (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] + 1
+    wp = (p["OW"] - 1) * p["SW"] + (p["KW"] - 1) * p["DW"] + 1
+    planes, flat = hp * wp, 0
+    if p["SH"] == p["SW"] == 1:
+        flat = _round_up((p["OH"] - 1) * wp + p["OW"], 16)
+    elif p["SH"] == p["SW"] == 2 and p["DH"] == p["DW"] == 1:    # 4 phase planes
+        planes = 4 * ((hp + 1) // 2) * ((wp + 1) // 2)
+        flat = _round_up((p["OH"] - 1) * ((wp + 1) // 2) + p["OW"], 16)
+    return 4 * (planes + 2 * flat)      # planes, zero slack, flat accumulator
+
+
 def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str, choice: dict | None = None) -> Kernel:
     p = dict(kern.params)
     consts = dict(kern.consts)      # the generic kernel's own, and what this one adds
@@ -119,15 +133,7 @@ def _select_conv(g: ir.Graph, step: int, kern: Kernel, target, force: str, choic
     if algo == "conv2d_dw":
         isa = _isa("conv2d_dw", target)
         p.update(algo=algo, MULT=p["M"] // p["C"])
-        hp = (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] + 1
-        wp = (p["OW"] - 1) * p["SW"] + (p["KW"] - 1) * p["DW"] + 1
-        planes, flat = hp * wp, 0
-        if p["SH"] == p["SW"] == 1:
-            flat = _round_up((p["OH"] - 1) * wp + p["OW"], 16)
-        elif p["SH"] == p["SW"] == 2 and p["DH"] == p["DW"] == 1:    # 4 phase planes
-            planes = 4 * ((hp + 1) // 2) * ((wp + 1) // 2)
-            flat = _round_up((p["OH"] - 1) * ((wp + 1) // 2) + p["OW"], 16)
-        scratch = 4 * (planes + 2 * flat)      # planes, zero slack, flat accumulator
+        scratch = dw_scratch_bytes(p)
         args = list(kern.args) + [scratch_arg(step)]
         return Kernel("conv2d_dw", kern.dtype, p, args, scratch, f"[conv2d_dw {isa}] {kern.desc}", consts=consts)
     if algo == "conv2d_igemm":

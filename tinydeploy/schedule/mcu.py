@@ -447,6 +447,20 @@ def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:
         w = k.tensor(k.args[1], g).data.astype(np.float32).reshape(p["M"], kdim)
         tile = tile_pixels(p, kdim)
         _attach(g, step, k, blocks_of_4(w), tile * kdim, f"{isa} GEMM, weights in 4-channel blocks", T_=tile)
+        if (kdim == p["C"] and p["SH"] == p["SW"] == 1 and p["OH"] == p["H"] and p["OW"] == p["W"]
+                and p["N"] == 1):
+            # pointwise: a tile's columns are gathered before its outputs are written, so the
+            # output may overwrite the input (output plane m on input plane m - max(0, M - C))
+            k.alias = min(0, p["C"] - p["M"]) * p["H"] * p["W"] * 4
+
+
+def in_place_dw_f32(k: Kernel) -> Kernel:
+    """The fp32 depthwise kernel on microcontrollers may write its output over its input: each
+    channel's plane is copied into its scratch before its outputs are written, and output plane p
+    ends where input plane p does or before."""
+    if k.family == "conv2d_dw" and k.params.get("N") == 1 and k.params.get("MULT") == 1:
+        k.alias = 0
+    return k
 
 
 def select_mcu(g: ir.Graph, kernels: list[Kernel | None], target, optimize: str = "balanced") -> list[Kernel | None]:

@@ -35,6 +35,7 @@ from tinydeploy.codegen.cfmt import c_type
 from tinydeploy.ops import REGISTRY, Kernel
 from tinydeploy.ops.registry import scratch_arg
 from tinydeploy.schedule import mcu
+from tinydeploy.schedule.conv import dw_scratch_bytes
 
 MAX_LAYERS = 6
 TILE_MIN = 8               # a chain's GEMM layers work on one row: their smallest tile
@@ -55,7 +56,9 @@ def _member_ok(k: Kernel | None) -> bool:
         return False
     if k.family == "qconv2d":
         return bool(k.params.get("PACKED")) or "HP" in k.params
-    return False
+    if k.family == "conv2d":
+        return bool(k.params.get("PACKED"))
+    return k.family == "conv2d_dw" and k.params.get("MULT") == 1 and k.params.get("THREADS", 1) == 1
 
 
 def _nhwc_transpose(k: Kernel | None, g: ir.Graph, n: ir.Node) -> bool:
@@ -95,6 +98,8 @@ def _member(g: ir.Graph, step: int, k: Kernel, ycs: int, yps: int) -> Kernel:
         wp = max(p["W"] + p["PL"], (p["OW"] - 1) * p["SW"] + 3) + (1 if p["SW"] == 1 and p["OW"] % 2 else 0)
         m.params.update(HP=hp, WP=wp)
         m.scratch_bytes = hp * wp + 4
+    elif k.family == "conv2d_dw":
+        m.scratch_bytes = dw_scratch_bytes(m.params)
     else:
         mcu.fit_scratch(m, 1 << 30)
     return m
