@@ -116,7 +116,7 @@ def test_weight_names_carry_their_role(model, board):
             continue
         consts = [a for a in calls[step] if a.startswith("td_l")]
         # the Cortex-M kernels take the requantisation scales r = m * 2^-shift (schedule/mcu.py)
-        expected = (["weight", "bias", "rscale"] if k.params.get("PACKED") else ["weight", "bias", "mult", "shift"]) \
+        expected = (["weight", "bias", "rscale"] if "RS" in k.params else ["weight", "bias", "mult", "shift"]) \
             if k.family.startswith("q") else ["weight", "bias"]
         assert [a.rsplit("_", 1)[1] for a in consts] == expected[:len(consts)], (step, consts)
 

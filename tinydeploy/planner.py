@@ -13,12 +13,12 @@
    output at byte d of the input's buffer; it reads what it needs first) gets its output
    buffer anchored there when that input dies at its step: the two are placed together and
    may share bytes at that one step.
-5. Placement: activations greedy by size (largest first, lowest offset that fits beside
-   everything it overlaps in time; anchored buffers as one group); a few orders are tried and
-   the smallest arena kept. Then each step's scratch goes into the largest hole under that
-   peak at its step, where the peak is the activations' or, where larger, what one step needs
-   with its kernel's smallest scratch (`fit(kernel, room)` sizes a kernel's scratch to the room,
-   e.g. its tile); above the peak only where fragmentation leaves no hole.
+5. Placement: activations (and scratch of a fixed size) greedy by size (largest first, lowest
+   offset that fits beside everything it overlaps in time; anchored buffers as one group); a
+   few orders are tried and the smallest arena kept. Then the scratch kernels can size
+   (`fit(kernel, room)`, e.g. a tile) goes into the largest hole under the peak at its step,
+   where the peak is the activations' or, where larger, what one step needs with that kernel's
+   smallest scratch; above the peak only where fragmentation leaves no hole.
 6. The report says per step what is live and why (Plan.report; model.c prints it).
 """
 from __future__ import annotations
@@ -262,11 +262,11 @@ CHAIN_MAX_ADDED = 0.1
 
 
 def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
-                fit: Callable[[Kernel, int], None] | None = None, chains: Callable | None = None,
+                fit: Callable[[Kernel, int], bool] | None = None, chains: Callable | None = None,
                 macs: int = 0) -> Plan:
     """The arena. `fit(kernel, room)`: sizes a kernel's scratch (e.g. its tile) to at most `room`
     bytes where it can (its smallest otherwise), after params["INPLACE"] says whether it writes
-    over its input. Kernels that may alias their input at no cost do so wherever the input dies;
+    over its input, and says whether it could (False: the scratch is placed like an activation). Kernels that may alias their input at no cost do so wherever the input dies;
     the others only where that makes the arena smaller. `chains(g, kernels)`: candidate kernel
     lists that run some layers patch by patch (each with .kernels, .added instructions, .desc);
     the one that saves the most is taken where it pays (CHAIN_MIN_SAVING, CHAIN_MAX_ADDED), and
@@ -316,19 +316,22 @@ def _plan(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, enable
         if kern is not None and kern.alias is not None:
             kern.params = dict(kern.params, INPLACE=k in bld.aliased)
     acts = bld.buffers
-    peak = _place_best(acts, _live_peak(acts, steps))
     need = [k for k, kern in enumerate(kernels) if kern is not None and (kern.scratch_bytes or kern.params.get("INPLACE"))]
-    if fit is not None:
-        # the arena the smallest scratch allows: every kernel then sizes its own up to it
-        for k in need:
-            fit(kernels[k], 0)
-            peak = max(peak, _live_bytes(acts, k) + _align(kernels[k].scratch_bytes, alignment))
-    scratch: list[Buffer] = []
+    # scratch whose size the kernel can change (fit says so) goes into the holes afterwards; the
+    # rest is placed with the activations, like them
+    sized = [k for k in need if fit is not None and fit(kernels[k], 0)]
     for k in need:
+        if k not in sized and kernels[k].scratch_bytes:
+            b = Buffer(len(acts), _align(kernels[k].scratch_bytes, alignment), k, k, [f"#scratch{k}"], scratch=True)
+            acts.append(b)
+    peak = _place_best(acts, _live_peak(acts, steps))
+    for k in sized:       # the arena the smallest scratch allows: each kernel then sizes its own up to it
+        peak = max(peak, _live_bytes(acts, k) + _align(kernels[k].scratch_bytes, alignment))
+    scratch: list[Buffer] = []
+    for k in sized:
         kern = kernels[k]
         holes = _holes(acts + scratch, k, peak)
-        if fit is not None:
-            fit(kern, max((hi - lo for lo, hi in holes), default=0) // alignment * alignment)
+        fit(kern, max((hi - lo for lo, hi in holes), default=0) // alignment * alignment)
         if not kern.scratch_bytes:
             continue
         size = _align(kern.scratch_bytes, alignment)

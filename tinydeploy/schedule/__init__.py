@@ -107,10 +107,10 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
     return out
 
 
-def fit_scratch(k: Kernel, room: int) -> None:
+def fit_scratch(k: Kernel, room: int) -> bool:
     """Size kernel k's scratch to the `room` bytes the planner found at its step (microcontroller
-    kernels: GEMM tiles, patch-based chains; others keep theirs)."""
-    (stream.fit if k.family == "stream" else mcu.fit_scratch)(k, room)
+    kernels: GEMM tiles, patch-based chains); False for kernels whose scratch has one size."""
+    return (stream.fit if k.family == "stream" else mcu.fit_scratch)(k, room)
 
 
 def chain_candidates(g: ir.Graph, kernels: list[Kernel | None]) -> list:

@@ -250,7 +250,7 @@ def _candidates(g: ir.Graph, step: int, k: Kernel) -> _Layer:
         macs, outputs = rows.size * p["M"], p["N"] * p["M"]
         brows = _dense_rows_bytes(rows)
     options = {}
-    wide = pack_pairs(rows)
+    wide = pack_pairs(rows if k.family == "qconv2d" else brows)
     options["i16"] = (wide, wide.nbytes)
     if p["TW"] != "int16_t":
         if p["TW"] == "int8_t" and pair_bytes_ok(brows, _xmax(k, g)):
@@ -315,7 +315,7 @@ def _attach(g: ir.Graph, step: int, k: Kernel, packed: np.ndarray, scratch_words
     k.scratch_bytes = 4 * scratch_words
     k.scratch_dtype = np.dtype(packed.dtype).name
     k.args = [k.args[0], name] + list(k.args[2:]) + ([scratch_arg(step)] if scratch_words else [])
-    k.params = dict(k.params, PACKED=True, **params)
+    k.params = dict(k.params, PACKED=True, STEP=step, **params)
     k.desc = f"[{desc}] {k.desc}"
 
 
@@ -353,8 +353,8 @@ def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target, optimize: st
                     FLAT=flat, KP=pairs, T_=tile, **rs_params)
             _gemm_in_place(k)
         elif lay == "i16":
-            pairs = (k.params["K"] + 1) // 2
-            _attach(g, step, k, packed, 2 * pairs, text, KP=pairs, **rs_params)
+            kg = (k.params["K"] + 3) // 4
+            _attach(g, step, k, packed, 2 * kg, text, KP=2 * kg, KG=kg, XS=True, **rs_params)
         else:
             _attach(g, step, k, packed, 0, text + ", inputs widened in registers",
                     KG=(k.params["K"] + 3) // 4, RP=DENSE_ROW_PAIRS[lay], **rs_params)
@@ -417,14 +417,23 @@ def _select_dw(g: ir.Graph, step: int, k: Kernel, target) -> None:
         k.alias = 0
 
 
-def fit_scratch(k: Kernel, room: int, tile_min: int = 0) -> None:
+def fit_scratch(k: Kernel, room: int, tile_min: int = 0) -> bool:
     """Size a kernel's scratch to at most `room` bytes where it can (module text): the tile of a
     GEMM kernel, the largest even number of pixels up to TILE_MAX (and the layer's pixels) that
     fits, at least `tile_min` (default TILE_MIN; and the held-back outputs' distance DB when it
     writes over its input); fit_scratch(k, 0) leaves each at its smallest."""
     p = k.params
+    if k.family == "qdense" and p.get("WL") == "i16":
+        # the widened input row in scratch where it fits, else widened in registers
+        xs = room >= 4 * p["KP"]
+        k.params = dict(p, XS=xs)
+        k.scratch_bytes = 4 * p["KP"] if xs else 0
+        k.args = [a for a in k.args if not a.startswith("#scratch")]
+        if xs:
+            k.args.append(scratch_arg(p["STEP"]))
+        return True
     if not p.get("PACKED") or "T_" not in p:
-        return
+        return False
     per_pixel = 4 * (p["KP"] if k.family == "qconv2d" else p["C"] * p["KH"] * p["KW"])
     stage = p["M"] if k.family == "qconv2d" and p.get("INPLACE") and p.get("DB") else 0
     pixels = (p["OH"] * p["OW"] + 1) // 2 * 2
@@ -432,6 +441,7 @@ def fit_scratch(k: Kernel, room: int, tile_min: int = 0) -> None:
     t = max(low, min(TILE_MAX, pixels, room // (per_pixel + stage) // 2 * 2))
     k.params = dict(p, T_=t)
     k.scratch_bytes = t * (per_pixel + stage)
+    return True
 
 
 def _select_fp32(g: ir.Graph, kernels: list[Kernel | None], target) -> None:

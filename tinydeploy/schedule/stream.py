@@ -176,12 +176,13 @@ def build(g: ir.Graph, kernels: list[Kernel | None], s0: int, s1: int) -> Kernel
     return k
 
 
-def fit(k: Kernel, room: int) -> None:
+def fit(k: Kernel, room: int) -> bool:
     """A chain's scratch: its windows, then the largest member tiles that fit in the rest."""
     rest = room - k.params["MS"]
     for pt in k.parts:
         mcu.fit_scratch(pt, max(rest, 0), TILE_MIN)
     k.scratch_bytes = k.params["MS"] + max(pt.scratch_bytes for pt in k.parts)
+    return True
 
 
 def added_instructions(g: ir.Graph, k: Kernel) -> int:
