@@ -73,8 +73,8 @@ def _conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, dil=(1, 1),
     return m
 
 
-def _run(path, outdir, seeds):
-    b = flow.build(path, BOARD, outdir, force=True, quiet=True)
+def _run(path, outdir, seeds, optimize="balanced"):
+    b = flow.build(path, BOARD, outdir, force=True, quiet=True, optimize=optimize)
     specs = flow.io_specs(b.summary, "inputs")
     out_specs = [(shape, dt) for _, shape, dt in flow.io_specs(b.summary, "outputs")]
     outs, instr = [], None
@@ -218,6 +218,21 @@ def test_qdense_dsp_matches_reference(case, tmp_path, monkeypatch):
     path = tmp_path / "m.onnx"
     onnx.save(_dense_model(**kw), str(path))
     _check(path, case, specialised, "qdense", tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["1x640x128-relu", "3x37x7-odd", "k3-odd-pairs", "u8-1x33x10"])
+def test_qdense_int16_weights_inputs_widened_in_registers(case, tmp_path):
+    """--optimize speed: int16 weights; with no room for a widened input row under the peak (a
+    lone layer has none) the inputs are widened in registers (two groups per iteration where
+    their number is even, one otherwise, the last 1-3 inputs apart). Bit-exact."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_dense_model(**DENSE_CASES[case][0]), str(path))
+    outs, _, src = _run(path, tmp_path / "speed", (0,), optimize="speed")
+    K = DENSE_CASES[case][0]["K"]
+    if K >= 4:
+        assert f"td_dsp_dense_i16x_4_u{2 if K // 4 % 2 == 0 else 1}" in src, case
+    for feeds, got in outs:
+        check_8bit(path, feeds, got, label=f"{case}: int16 weights, inputs widened in registers")
 
 
 def _add_model(shape_a, shape_b, za, zb, zy, sa, sb, sy, relu=False, u8=False):
