@@ -53,10 +53,17 @@ class Plan:
     aliased: set[int] = field(default_factory=set)    # steps whose kernel writes over its input
     notes: list[str] = field(default_factory=list)    # what the planner chose and why (patch-based chains)
 
+    def step_bytes(self, k: int) -> int:
+        """The arena bytes live at step k (buffers that share bytes counted once)."""
+        covered, end = 0, 0
+        for lo, hi in sorted((off, off + size) for _, off, size, _ in self.report[k]):
+            covered, end = covered + max(0, hi - max(lo, end)), max(end, hi)
+        return covered
+
     @property
     def peak_step(self) -> int:
         """The step with the most bytes live (the first of them)."""
-        totals = [sum(b for _, _, b, _ in step) for step in self.report]
+        totals = [self.step_bytes(k) for k in range(len(self.report))]
         return max(range(len(totals)), key=lambda k: (totals[k], -k)) if totals else 0
 
 

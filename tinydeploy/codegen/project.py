@@ -160,6 +160,20 @@ def _arena_macros(g: ir.Graph, plan: Plan, used: list[str], lookup: dict) -> tup
     return names, defs
 
 
+def _live_report(plan: Plan, kerns: list[Kernel | None]) -> list[str]:
+    """The planner's per-step report (Plan.report) as comment lines for model.c: the bytes live
+    at each step (buffers written over their input counted once; the peak marked), then each
+    buffer with its offset and why it is live."""
+    lines, peak = [], plan.peak_step
+    chain = {s: k for k, kern in enumerate(kerns) if kern is not None for s in kern.fused}
+    for k, rows in enumerate(plan.report):
+        where = f" (computed row by row in step {chain[k]})" if k in chain else ""
+        lines.append(f"step {k}: {plan.step_bytes(k)} B live" + (" (the peak)" if k == peak else "") + where)
+        lines += ["    " + c_comment(f"\"{c_comment(name, 48)}\" at {off}, {size} B: {why}", 160)
+                  for name, off, size, why in rows]
+    return lines
+
+
 def _call(fn: str, args: list[str], indent: int = 4, width: int = 100) -> str:
     """`fn(args);`, its arguments wrapped onto lines aligned after the parenthesis when the call
     is longer than `width` (model.c indents calls by `indent`)."""
@@ -335,7 +349,8 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             num_steps=len(g.nodes), macs=macs, inputs=inputs, outputs=outputs, **common),
         "model.c": env.get_template("model.c.j2").render(
             header=header(info, "model.c: arena and layer schedule"), layers=layers, inputs=inputs,
-            outputs=outputs, arena_bytes=plan.arena_bytes, alignment=alignment, offsets=offsets),
+            outputs=outputs, arena_bytes=plan.arena_bytes, alignment=alignment, offsets=offsets,
+            lower_bound=plan.lower_bound, live=_live_report(plan, kerns)),
         "td_kernels.c": env.get_template("kernels.c.j2").render(
             header=header(info, "td_kernels.c: specialised layer kernels"), kernels=funcs, includes=includes,
             used_docs=sorted(w[1] for w in needs if w[0] == "doc")),
