@@ -13,9 +13,10 @@
    output at byte d of the input's buffer; it reads what it needs first) gets its output
    buffer anchored there when that input dies at its step: the two are placed together and
    may share bytes at that one step.
-5. Placement: activations (and scratch of a fixed size) greedy by size (largest first, lowest
-   offset that fits beside everything it overlaps in time; anchored buffers as one group); a
-   few orders are tried and the smallest arena kept. Then the scratch kernels can size
+5. Placement: activations greedy by size (largest first, lowest offset that fits beside
+   everything it overlaps in time; anchored buffers as one group); a few orders are tried and
+   the smallest arena kept. Scratch of a fixed size is placed either with the activations, like
+   them, or afterwards in the holes, whichever arena is smaller. Then the scratch kernels can size
    (`fit(kernel, room)`, e.g. a tile) goes into the largest hole under the peak at its step,
    where the peak is the activations' or, where larger, what one step needs with that kernel's
    smallest scratch; above the peak only where fragmentation leaves no hole.
@@ -52,6 +53,7 @@ class Plan:
     report: list[list[tuple[str, int, int, str]]] = field(default_factory=list)  # per step: (tensor, offset, bytes, why)
     aliased: set[int] = field(default_factory=set)    # steps whose kernel writes over its input
     notes: list[str] = field(default_factory=list)    # what the planner chose and why (patch-based chains)
+    fixed_scratch: bool = False   # some kernel's scratch has one size (placed with the activations or in holes)
 
     def step_bytes(self, k: int) -> int:
         """The arena bytes live at step k (buffers that share bytes counted once)."""
@@ -317,6 +319,20 @@ def _plan_aliases(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit
 
 
 def _plan(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, enabled: set[int]) -> Plan:
+    """Scratch of one size (kernels fit cannot size) goes either into the holes after the
+    activations are placed, or is placed with them, like them: whichever arena is smaller (the
+    one chosen is computed last, so that the kernels' sized scratch is as it has it)."""
+    with_acts = _plan_once(g, kernels, alignment, fit, enabled, True)
+    if not with_acts.fixed_scratch:
+        return with_acts
+    in_holes = _plan_once(g, kernels, alignment, fit, enabled, False)
+    if in_holes.arena_bytes <= with_acts.arena_bytes:
+        return in_holes
+    return _plan_once(g, kernels, alignment, fit, enabled, True)
+
+
+def _plan_once(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, enabled: set[int],
+               fixed_with_acts: bool) -> Plan:
     steps = len(g.nodes)
     bld = _Builder(g, kernels, alignment, kernel_level=True, alias_steps=enabled)
     for k, kern in enumerate(kernels):
@@ -324,21 +340,22 @@ def _plan(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, enable
             kern.params = dict(kern.params, INPLACE=k in bld.aliased)
     acts = bld.buffers
     need = [k for k, kern in enumerate(kernels) if kern is not None and (kern.scratch_bytes or kern.params.get("INPLACE"))]
-    # scratch whose size the kernel can change (fit says so) goes into the holes afterwards; the
-    # rest is placed with the activations, like them
+    # scratch whose size the kernel can change (fit says so) goes into the holes afterwards
     sized = [k for k in need if fit is not None and fit(kernels[k], 0)]
-    for k in need:
-        if k not in sized and kernels[k].scratch_bytes:
-            b = Buffer(len(acts), _align(kernels[k].scratch_bytes, alignment), k, k, [f"#scratch{k}"], scratch=True)
-            acts.append(b)
+    fixed = [k for k in need if k not in sized and kernels[k].scratch_bytes]
+    if fixed_with_acts:
+        for k in fixed:
+            acts.append(Buffer(len(acts), _align(kernels[k].scratch_bytes, alignment), k, k, [f"#scratch{k}"],
+                               scratch=True))
     peak = _place_best(acts, _live_peak(acts, steps))
     for k in sized:       # the arena the smallest scratch allows: each kernel then sizes its own up to it
         peak = max(peak, _live_bytes(acts, k) + _align(kernels[k].scratch_bytes, alignment))
     scratch: list[Buffer] = []
-    for k in sized:
+    for k in ([] if fixed_with_acts else fixed) + sized:
         kern = kernels[k]
-        holes = _holes(acts + scratch, k, peak)
-        fit(kern, max((hi - lo for lo, hi in holes), default=0) // alignment * alignment)
+        if k in sized:
+            holes = _holes(acts + scratch, k, peak)
+            fit(kern, max((hi - lo for lo, hi in holes), default=0) // alignment * alignment)
         if not kern.scratch_bytes:
             continue
         size = _align(kern.scratch_bytes, alignment)
@@ -348,6 +365,7 @@ def _plan(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, enable
     buffers = acts + scratch
     offsets = {nm: b.offset for b in buffers for nm in b.tensors}
     plan = Plan(offsets, peak, lower_bound(g, kernels, alignment), buffers, aliased=set(bld.aliased))
+    plan.fixed_scratch = bool(fixed)
     plan.report = _report(g, kernels, buffers)
     return plan
 
