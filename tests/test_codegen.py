@@ -61,7 +61,7 @@ def test_identical_layers_share_one_kernel(tmp_path):
 
 # ---- names, offsets, counts, includes: what an engineer reading the C relies on ---------------
 
-ROLES = ("weight", "bias", "mult", "shift", "scale", "lhs", "rhs")
+ROLES = ("weight", "bias", "mult", "shift", "rscale", "scale", "lhs", "rhs")
 # (model, board): int8 on the Cortex-M4 (DSP variants, td_runtime.h helpers), fp32 on the host
 # (AVX kernels where the host has them) and on the Arm boards (NEON).
 CASES = [("kws_dscnn_int8.onnx", "mps2-an386"), ("ic_resnet8_int8.onnx", "mps2-an386"),
@@ -107,14 +107,17 @@ def test_weight_names_carry_their_role(model, board):
         role = next(r for r in ROLES if name.endswith("_" + r))
         assert name.startswith(f"td_l{step}_") and re.fullmatch(r"td_l\d+_[A-Za-z0-9_]+", name), name
         assert int(n) == int(np.prod([int(v) for v in shape.split(",") if v] or [1]))
-        assert {"weight": "weights", "bias": "bias", "mult": "multipliers", "shift": "shift"}.get(role, "") in what
+        assert {"weight": "weights", "bias": "bias", "mult": "multipliers", "shift": "shift",
+                "rscale": "requantisation scales"}.get(role, "") in what
     # each constant argument of a call is named for the parameter it binds
     calls = _calls(c.files["model.c"])
     for step, k in enumerate(c.kernels):
         if k is None or k.family not in ("qconv2d", "qdense", "conv2d", "dense_packed", "conv2d_gemm"):
             continue
         consts = [a for a in calls[step] if a.startswith("td_l")]
-        expected = ["weight", "bias", "mult", "shift"] if k.family.startswith("q") else ["weight", "bias"]
+        # the Cortex-M kernels take the requantisation scales r = m * 2^-shift (schedule/mcu.py)
+        expected = (["weight", "bias", "rscale"] if "RS" in k.params else ["weight", "bias", "mult", "shift"]) \
+            if k.family.startswith("q") else ["weight", "bias"]
         assert [a.rsplit("_", 1)[1] for a in consts] == expected[:len(consts)], (step, consts)
 
 

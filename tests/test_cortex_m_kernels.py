@@ -73,8 +73,8 @@ def _conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, dil=(1, 1),
     return m
 
 
-def _run(path, outdir, seeds):
-    b = flow.build(path, BOARD, outdir, force=True, quiet=True)
+def _run(path, outdir, seeds, optimize="balanced"):
+    b = flow.build(path, BOARD, outdir, force=True, quiet=True, optimize=optimize)
     specs = flow.io_specs(b.summary, "inputs")
     out_specs = [(shape, dt) for _, shape, dt in flow.io_specs(b.summary, "outputs")]
     outs, instr = [], None
@@ -220,6 +220,21 @@ def test_qdense_dsp_matches_reference(case, tmp_path, monkeypatch):
     _check(path, case, specialised, "qdense", tmp_path, monkeypatch)
 
 
+@pytest.mark.parametrize("case", ["1x640x128-relu", "3x37x7-odd", "k3-odd-pairs", "u8-1x33x10"])
+def test_qdense_int16_weights_inputs_widened_in_registers(case, tmp_path):
+    """--optimize speed: int16 weights; with no room for a widened input row under the peak (a
+    lone layer has none) the inputs are widened in registers (two groups per iteration where
+    their number is even, one otherwise, the last 1-3 inputs apart). Bit-exact."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_dense_model(**DENSE_CASES[case][0]), str(path))
+    outs, _, src = _run(path, tmp_path / "speed", (0,), optimize="speed")
+    K = DENSE_CASES[case][0]["K"]
+    if K >= 4:
+        assert f"td_dsp_dense_i16x_4_u{2 if K // 4 % 2 == 0 else 1}" in src, case
+    for feeds, got in outs:
+        check_8bit(path, feeds, got, label=f"{case}: int16 weights, inputs widened in registers")
+
+
 def _add_model(shape_a, shape_b, za, zb, zy, sa, sb, sy, relu=False, u8=False):
     inits, nodes = [], []
     qt, tp = (np.uint8, TensorProto.UINT8) if u8 else (np.int8, TensorProto.INT8)
@@ -285,30 +300,38 @@ def test_pack_pairs_layout():
             assert hi == (rows[r, 2 * k + 1] if 2 * k + 1 < 7 else 0)
 
 
-def test_packing_respects_flash_budget(monkeypatch):
-    """Packing doubles the weights' flash: within EXTRA_FLASH_BYTES, the most MACs per byte first;
-    with no budget nothing is packed (and the build still works through the other kernels)."""
+def test_weight_layouts_follow_optimize(monkeypatch):
+    """--optimize size keeps every 8-bit weight at one byte; speed takes int16 pairs within
+    EXTRA_FLASH_BYTES, the most instructions per extra byte first; balanced only where a layer
+    saves at least BALANCED_RATE instructions per byte, within BALANCED_SHARE of the weights."""
     from tests.util import mlperf_model
-    from tinydeploy.schedule import mcu as select_mcu
+    from tinydeploy.schedule import mcu
     from tinydeploy.pipeline import compile_model
     from tinydeploy.targets import get_target
-    model = mlperf_model("ad_autoencoder_int8.onnx")
     target = get_target("cortex-m4")
 
-    def packed(c):
-        ks = [k for k in c.kernels if k is not None and k.family == "qdense"]
-        return [k for k in ks if k.params.get("PACKED")], ks
+    def layouts(name, optimize):
+        c = compile_model(mlperf_model(name), target, board="mps2-an386", optimize=optimize)
+        return [k for k in c.kernels if k is not None and "WL" in k.params]
 
-    full, dense = packed(compile_model(model, target, board="mps2-an386"))
-    assert len(full) == len(dense) == 10
-    monkeypatch.setattr(select_mcu, "EXTRA_FLASH_BYTES", 0)
-    none, _ = packed(compile_model(model, target, board="mps2-an386"))
-    assert none == []
-    monkeypatch.setattr(select_mcu, "EXTRA_FLASH_BYTES", 50_000)   # 640x128 needs 81,920 more bytes
-    some, _ = packed(compile_model(model, target, board="mps2-an386"))
+    ad = layouts("ad_autoencoder_int8.onnx", "size")
+    assert len(ad) == 10 and {k.params["WL"] for k in ad} == {"i8pair"}
+    assert all(k.scratch_bytes == 0 for k in ad)      # the inputs are widened in registers
+    assert {k.params["WL"] for k in layouts("ad_autoencoder_int8.onnx", "speed")} == {"i16"}
+    # dense layers gain a sixteenth of an instruction per extra byte: balanced keeps one byte
+    assert {k.params["WL"] for k in layouts("ad_autoencoder_int8.onnx", "balanced")} == {"i8pair"}
+    monkeypatch.setattr(mcu, "EXTRA_FLASH_BYTES", 50_000)   # 640x128 needs 81,920 more bytes
+    some = [k for k in layouts("ad_autoencoder_int8.onnx", "speed") if k.params["WL"] == "i16"]
     assert 0 < len(some) < 10
     assert all(k.params["K"] * k.params["N"] < 640 * 128 for k in some)
-    assert sum(k.params["K"] * k.params["N"] for k in some) <= 50_000
+    assert sum(k.params["FLASH_EXTRA"] for k in some) <= 50_000
+    # balanced on VWW: the high-resolution early layers (most MACs per weight) get int16 pairs
+    vww = [k for k in layouts("vww_mobilenetv1_int8.onnx", "balanced") if k.family == "qconv2d"]
+    wide = [k for k in vww if k.params["WL"] == "i16"]
+    weights = sum(k.params["M"] * k.params["C"] * k.params["KH"] * k.params["KW"] for k in vww)
+    assert wide and sum(k.params["FLASH_EXTRA"] for k in wide) <= weights * mcu.BALANCED_SHARE
+    assert min(k.params["OH"] * k.params["OW"] for k in wide) >= max(
+        k.params["OH"] * k.params["OW"] for k in vww if k.params["WL"] != "i16")
 
 
 def _f32_conv_model(C, M, H, W, k, s=(1, 1), pads=(0, 0, 0, 0), dil=(1, 1), bias=True, act=None, seed=0):
@@ -370,4 +393,82 @@ def test_fp32_selection_on_cortex_m():
     convs = [k for k in c.kernels if k is not None and k.family in ("conv2d", "conv2d_dw")]
     assert [k.family for k in convs] == ["conv2d"] + ["conv2d_dw", "conv2d"] * 4
     assert all(k.params.get("PACKED") for k in convs if k.family == "conv2d")
-    assert all(k.scratch_bytes <= 4 * 1536 for k in convs if k.family == "conv2d")
+    # the GEMM tiles are sized to the room under the peak (planner): never above the lower bound
+    assert all(k.scratch_bytes <= 4 * 64 * 64 for k in convs if k.family == "conv2d")
+    assert c.plan.arena_bytes <= c.plan.lower_bound
+
+
+def _chain_model(layers, C, H, W, nhwc=False, seed=0):
+    """An int8 QDQ model of consecutive convolutions (each (M, k, stride, pads, group) with a
+    Relu), optionally reading an NHWC input through a Transpose: what patch-based execution runs
+    row by row (schedule/stream.py)."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def const(name, arr):
+        inits.append(numpy_helper.from_array(np.asarray(arr), name))
+        return name
+
+    const("x_s", np.float32(0.05)), const("x_z", np.int8(-128))
+    src = "x"
+    if nhwc:
+        nodes.append(helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 3, 1, 2]))
+        src = "xt"
+    nodes.append(helper.make_node("DequantizeLinear", [src, "x_s", "x_z"], ["a0"]))
+    cin, scale = C, np.float32(0.05)
+    for i, (M, k, s, pads, group) in enumerate(layers):
+        ws = (np.geomspace(1.0, 4.0, M) * 2e-3).astype(np.float32)
+        const(f"w{i}_q", rng.integers(-128, 128, (M, cin // group, k, k)).astype(np.int8))
+        const(f"w{i}_s", ws), const(f"w{i}_z", np.zeros(M, np.int8))
+        const(f"b{i}_q", rng.integers(-2000, 2000, M).astype(np.int32))
+        const(f"b{i}_s", (scale * ws).astype(np.float32)), const(f"b{i}_z", np.zeros(M, np.int32))
+        nodes.append(helper.make_node("DequantizeLinear", [f"w{i}_q", f"w{i}_s", f"w{i}_z"], [f"w{i}"], axis=0))
+        nodes.append(helper.make_node("DequantizeLinear", [f"b{i}_q", f"b{i}_s", f"b{i}_z"], [f"b{i}"], axis=0))
+        nodes.append(helper.make_node("Conv", [f"a{i}", f"w{i}", f"b{i}"], [f"c{i}"], kernel_shape=[k, k],
+                                      strides=[s, s], pads=list(pads), group=group))
+        nodes.append(helper.make_node("Relu", [f"c{i}"], [f"r{i}"]))
+        scale = np.float32(0.06 + 0.01 * i)
+        const(f"y{i}_s", scale), const(f"y{i}_z", np.int8(-128))
+        out = "y" if i == len(layers) - 1 else f"q{i}"
+        nodes.append(helper.make_node("QuantizeLinear", [f"r{i}", f"y{i}_s", f"y{i}_z"], [out]))
+        if out != "y":
+            nodes.append(helper.make_node("DequantizeLinear", [out, f"y{i}_s", f"y{i}_z"], [f"a{i + 1}"]))
+        cin = M
+    shape = [1, H, W, C] if nhwc else [1, C, H, W]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.INT8, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.INT8, None)], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    m.ir_version = 9
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
+
+
+CHAIN_CASES = {
+    # MobileNet's start: 3x3 s2 with asymmetric padding, depthwise, pointwise; odd sizes so the
+    # last row and column of every layer are borders, the input NHWC (the Transpose folded in)
+    "nhwc-s2-dw-pw-odd": (dict(layers=[(8, 3, 2, (0, 0, 1, 1), 1), (8, 3, 1, (1, 1, 1, 1), 8),
+                                       (16, 1, 1, (0, 0, 0, 0), 1), (16, 3, 2, (1, 1, 1, 1), 16),
+                                       (4, 1, 1, (0, 0, 0, 0), 1)], C=3, H=37, W=35, nhwc=True)),
+    # NCHW source, a stride-1 3x3 GEMM layer with padding on every side, then strided depthwise
+    "nchw-3x3-dw-s2": (dict(layers=[(16, 3, 1, (1, 1, 1, 1), 1), (16, 3, 2, (1, 1, 1, 1), 16),
+                                    (4, 1, 1, (0, 0, 0, 0), 1), (4, 3, 2, (0, 0, 1, 1), 4)], C=8, H=33, W=30)),
+}
+
+
+@pytest.mark.parametrize("case", list(CHAIN_CASES))
+def test_patch_based_chain_matches_reference(case, tmp_path, monkeypatch):
+    """Patch-based execution (the planner's choice, schedule/stream.py): the chain is taken (the
+    arena below the per-layer lower bound) and every output equals the exact reference bit for
+    bit, rows at the top and bottom borders (padding rows) included."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_chain_model(**CHAIN_CASES[case]), str(path))
+    b = flow.build(path, BOARD, tmp_path / "p", force=True, quiet=True)
+    src = (tmp_path / "p" / "src" / "td_kernels.c").read_text()
+    mem = {key: b.summary[key] for key in ("arena_bytes", "lower_bound_bytes", "notes")}
+    assert "patch-based" in src, f"{case}: no patch-based chain taken ({mem})"
+    assert mem["arena_bytes"] < mem["lower_bound_bytes"], mem
+    specs = flow.io_specs(b.summary, "inputs")
+    out_specs = [(shape, dt) for _, shape, dt in flow.io_specs(b.summary, "outputs")]
+    for seed in (0, 1):
+        feeds = reference.random_inputs(specs, seed)
+        got, _, _ = run_under_qemu(b.firmware, [feeds[name] for name, _, _ in specs], out_specs)
+        check_8bit(path, feeds, got, label=f"{case}: patch-based")

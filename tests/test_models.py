@@ -19,6 +19,13 @@ def run_json(model, tmp_path, *extra):
     return json.loads(lines[0])
 
 
+# The host's arenas: the activations' per-layer lower bound (planner.lower_bound, activations
+# alone) plus the host GEMM kernels' packing scratch at the peak step (not sized to the room:
+# only microcontroller kernels are); pinned so that they do not grow.
+HOST_ARENA = {"ic_resnet8_fp32.onnx": 316416, "kws_dscnn_fp32.onnx": 96768, "vww_mobilenetv1_fp32.onnx": 299760,
+              "ad_autoencoder_fp32.onnx": 3072}
+
+
 @pytest.mark.parametrize("name", FP32_MODELS)
 def test_mlperf_fp32_matches_onnxruntime_with_arena_at_lower_bound(name, tmp_path):
     res = run_json(mlperf_model(name), tmp_path)
@@ -28,7 +35,7 @@ def test_mlperf_fp32_matches_onnxruntime_with_arena_at_lower_bound(name, tmp_pat
     assert res["max_rel_error"] <= 1e-4
     assert res["latency"]["median_ms"] > 0 and res["latency"]["runs"] >= 3
     mem = res["memory"]
-    assert mem["arena_bytes"] == mem["lower_bound_bytes"] > 0
+    assert 0 < mem["lower_bound_bytes"] <= mem["arena_bytes"] <= HOST_ARENA[name]
     assert mem["weights_bytes"] > 0
 
 

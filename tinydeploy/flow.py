@@ -69,6 +69,18 @@ def _summary(model: Path, board_id: str, outdir: Path, c: Compiled, files) -> di
     }
 
 
+def weights_layout(c: Compiled, optimize: str) -> str:
+    """One line for `build` on microcontrollers: how the 8-bit weights are laid out under
+    --optimize and the flash that costs beyond one byte per weight ("" without such layers)."""
+    f = schedule.flash_choices(c.kernels)
+    if not f["layers"]:
+        return ""
+    n8 = f["layers"].get("i8pair", 0) + f["layers"].get("i8", 0)
+    n16 = f["layers"].get("i16", 0)
+    return (f"--optimize {optimize}: 8-bit weights at one byte each on {n8} layer{'s' * (n8 != 1)}, int16 pairs on "
+            f"{n16} (flash +{f['extra_bytes']:,} B for them)")
+
+
 def layer_table(c: Compiled) -> list[list]:
     """[step, ONNX op, node name, algorithm, MACs] of each layer with code (`bench --layers`);
     the algorithm is the "[...]" prefix of the kernel's description, else its family."""
@@ -114,17 +126,19 @@ def _host_binary(c: Compiled, board, target, outdir: Path, command: str, threads
 def build(model, board="host", outdir=None, force: bool = False, input_shapes=None,
           command: str = "", reuse: bool = False, quiet: bool = False, extra_cflags=None, cc=None,
           emulate: bool = False, builder: str | None = None, threads: int = 1,
-          max_weights_bytes=None) -> BuildResult:
+          max_weights_bytes=None, optimize: str = "balanced") -> BuildResult:
     """Compile `model` for `board` and build it in `outdir`: a harness binary for Linux boards,
     firmware for microcontrollers (`emulate`: for the QEMU machine that stands in for the board,
     with the board's limits). With `reuse`, an up-to-date build in `outdir` (the same model,
     board, options and tinydeploy: bld.build_key) is taken as it is. `max_weights_bytes`: the
     weights budget (bytes; None: TINYDEPLOY_MAX_WEIGHTS_BYTES, else sized against this machine's
-    memory; see tinydeploy.limits)."""
+    memory; see tinydeploy.limits). `optimize` (balanced, speed, size): what microcontroller
+    kernels may spend flash on for speed (schedule/mcu.py)."""
     from tinydeploy.frontend.importer import sha256_file
     model = Path(model)
     board = boards.get_board(board)
     check_threads(board, threads)
+    schedule.check_optimize(optimize)
     target = bld.with_threads(board.make_target(), threads)
     emulate = emulate and board.is_mcu and not board.is_qemu_machine
     builder = builder or ("make" if emulate or board.is_qemu_machine else "pio")
@@ -135,7 +149,8 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
     key = bld.build_key(sha256_file(model), board.id,
                         {"shapes": sorted((k, list(v)) for k, v in (input_shapes or {}).items()),
                          "cflags": extra_cflags or [], "cc": cc or "", "threads": threads, "emulate": emulate,
-                         "builder": builder if board.is_mcu else "", "selection": schedule.selection_state(target)})
+                         "builder": builder if board.is_mcu else "", "selection": schedule.selection_state(target),
+                         "optimize": optimize if board.is_mcu else ""})
     previous = bld.claim_outdir(outdir, force)
     rel = Path(str(previous.get("artifact", "model_run")))
     artifact = outdir / rel
@@ -151,10 +166,13 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
         return BuildResult(outdir, artifact, None, True, previous["summary"], fw)
     log(f"compiling {printable(model.name)} for {board.id}{' (emulated)' if emulate else ''}")
     c = compile_model(model, target, input_shapes, command=command, board=board.id, threads=threads,
-                      max_weights_bytes=max_weights_bytes)
+                      max_weights_bytes=max_weights_bytes, optimize=optimize)
     fast = schedule.describe(c.kernels, fast_only=True)
     for line in fast:
         log(printable(line, 160))
+    layout = weights_layout(c, optimize) if board.is_mcu else ""
+    if layout:
+        log(layout)
     if not board.is_mcu:
         log(f"{len(fast)} layers with fast algorithms, "
             f"{sum(1 for k in c.kernels if k is not None and k.params.get('algo') == 'ref')} conv/dense layers "
@@ -168,6 +186,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
         artifact, hashes = _host_binary(c, board, target, outdir, command, threads, extra_cflags, cc, force,
                                         previous, log)
     summary = _summary(model, board.id, outdir, c, sorted(hashes))
+    summary["weights_layout"] = layout
     if fw is not None:
         summary["firmware"] = {k: v for k, v in fw.memory.items() if k != "sections"}
         summary["elf"] = str(fw.elf)
@@ -297,7 +316,7 @@ def library_summary(models: list[Path], board_id: str, outdir: Path, image, file
     for path, c in zip(models, image.models):
         s = _summary(path, board_id, outdir, c, files)
         s.update(name=c.api.name, arena=c.api.arena, scratch_bytes=c.plan.scratch_bytes,
-                 states=[[i, o, o in c.plan.aliased] for i, o in c.states],
+                 states=[[i, o, o in c.plan.state_aliased] for i, o in c.states],
                  inputs=[x for x in s["inputs"] if x[0] not in dict(c.states)],
                  outputs=[x for x in s["outputs"] if x[0] not in dict(c.states).values()])
         s["output_lsb"] = [_dequantized_scale(c.graph, n) for n, _, _ in s["outputs"]]
@@ -371,7 +390,7 @@ def reference_model_bytes(model: Path) -> bytes:
 def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outdir=None,
         force: bool = False, command: str = "", quiet: bool = False, extra_cflags=None, cc=None,
         latency: bool = True, emulate: bool = False, runner=None, runs: int | None = None,
-        seconds: float = 1.0, threads: int = 1, max_weights_bytes=None) -> dict:
+        seconds: float = 1.0, threads: int = 1, max_weights_bytes=None, optimize: str = "balanced") -> dict:
     """Build, run on the inputs, compare with onnxruntime, time. `runner` (tinydeploy.runners)
     runs a Linux board's harness elsewhere (deploy: over ssh; measure: with --energy while sampling
     power); default: runners.select_runner's, here. `runs` fixes the number of timed runs (default:
@@ -385,7 +404,7 @@ def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outd
     with contextlib.nullcontext(runner) if runner else runners.select_runner(board, emulate) as runner:
         b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
                   extra_cflags=extra_cflags, cc=cc, emulate=emulate, threads=threads,
-                  max_weights_bytes=max_weights_bytes)
+                  max_weights_bytes=max_weights_bytes, optimize=optimize)
         specs = io_specs(b.summary, "inputs")
         feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
         out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]

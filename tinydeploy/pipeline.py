@@ -15,7 +15,7 @@ from tinydeploy.errors import TinydeployError
 from tinydeploy.frontend.importer import import_model, sha256_file
 from tinydeploy.ops import REGISTRY, Kernel, unsupported_nodes
 from tinydeploy.passes import LOWER_8BIT, run_passes
-from tinydeploy.schedule import select_kernels
+from tinydeploy.schedule import chain_candidates, fit_scratch, select_kernels
 from tinydeploy.planner import Plan, plan_memory
 from tinydeploy.targets import Target
 
@@ -183,20 +183,23 @@ def resolve_states(g: ir.Graph, pairs, required: bool = True) -> tuple[tuple[str
 
 def compile_model(path, target: Target, input_shapes=None, command: str = "", board: str = "host",
                   threads: int = 1, max_weights_bytes: "int | limits.Budget | None" = None,
-                  api: project.Api | None = None, state_pairs=None, states_required: bool = True) -> Compiled:
+                  api: project.Api | None = None, state_pairs=None, states_required: bool = True,
+                  optimize: str = "balanced") -> Compiled:
     """`max_weights_bytes`: the weights budget (tinydeploy.limits; None: sized against this
     machine's memory). The import holds the model to it, and so does the C written here.
     `api`: the library form (codegen/project.py Api; its states are `state_pairs`, resolved
-    against the graph: resolve_states)."""
+    against the graph: resolve_states). `optimize` (balanced, speed, size): what
+    microcontroller kernels may spend flash on."""
     budget = limits.budget(max_weights_bytes)
     g = prepared_graph(path, input_shapes, budget)
     if api is not None and state_pairs:
         api = dataclasses.replace(api, states=resolve_states(g, state_pairs, states_required))
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)
-    kernels = select_kernels(g, lower(g), target, threads)   # fast conv/dense algorithms per layer
-    plan = plan_memory(g, kernels, target.alignment, api.states if api else (),
-                       scratch_apart=bool(api and api.scratch_section))
-    weights = {a: k.tensor(a, g) for k in kernels if k for a in k.args if k.tensor(a, g).is_const}
+    kernels = select_kernels(g, lower(g), target, threads, optimize)   # fast conv/dense algorithms per layer
+    # on microcontrollers the planner may run early layers patch by patch (schedule/stream.py)
+    plan = plan_memory(g, kernels, target.alignment, fit_scratch, chain_candidates if target.bare_metal else None, macs,
+                       states=api.states if api else (), scratch_apart=bool(api and api.scratch_section))
+    weights = {a: t for k in kernels if k for a, t in k.constants(g).items()}
     weights_bytes = sum(t.nbytes for t in weights.values())
     if weights_bytes > budget.bytes:   # passes and kernel layouts can add to what the import held
         largest = max(weights, key=lambda w: (weights[w].nbytes, w))
@@ -207,7 +210,7 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     info = project.ModelInfo(Path(path).name, sha, command, board)
     chosen: dict = {}
     files = project.generate(g, kernels, plan, info, target.isas, target.alignment, macs, api, chosen)
-    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes, Path(path).name, api, chosen)
+    return Compiled(g, kernels, plan, files, macs, weights_bytes, sha, g.notes + plan.notes, Path(path).name, api, chosen)
 
 
 @dataclass

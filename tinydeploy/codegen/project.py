@@ -116,7 +116,7 @@ def _param_names(prototype: str) -> list[str]:
 # What a constant argument is, from the name the kernel gives its parameter. Kernels over two
 # operands (a, b) take constants as operands; the others name weights, bias and requantisation.
 _ROLES = {"w": "weight", "wp": "weight", "uw": "weight", "b": "bias", "mult": "mult", "shift": "shift",
-          "scale": "scale"}
+          "scale": "scale", "rs": "rscale"}
 
 
 def _role(param: str, params: list[str]) -> str:
@@ -139,6 +139,8 @@ def _role_text(role: str, param: str, t: ir.Tensor, k: Kernel, isa: str) -> str:
         return "requantisation multipliers m per output channel (r = m * 2^-shift, td_runtime.h)"
     if role == "shift":
         return "requantisation shifts per output channel" if integer else "per-channel shift"
+    if role == "rscale":
+        return "requantisation scales r = m * 2^-shift per output channel (float32, exact)"
     if role == "scale":
         return "per-channel scale"
     if role in ("lhs", "rhs"):
@@ -216,6 +218,20 @@ def _state_zero(t: ir.Tensor) -> int:
     return 0
 
 
+def _live_report(plan: Plan, kerns: list[Kernel | None]) -> list[str]:
+    """The planner's per-step report (Plan.report) as comment lines for model.c: the bytes live
+    at each step (buffers written over their input counted once; the peak marked), then each
+    buffer with its offset and why it is live."""
+    lines, peak = [], plan.peak_step
+    chain = {s: k for k, kern in enumerate(kerns) if kern is not None for s in kern.fused}
+    for k, rows in enumerate(plan.report):
+        where = f" (computed row by row in step {chain[k]})" if k in chain else ""
+        lines.append(f"step {k}: {plan.step_bytes(k)} B live" + (" (the peak)" if k == peak else "") + where)
+        lines += ["    " + c_comment(f"\"{c_comment(name, 48)}\" at {off}, {size} B: {why}", 160)
+                  for name, off, size, why in rows]
+    return lines
+
+
 def _call(fn: str, args: list[str], indent: int = 4, width: int = 100) -> str:
     """`fn(args);`, its arguments wrapped onto lines aligned after the parenthesis when the call
     is longer than `width` (model.c indents calls by `indent`)."""
@@ -251,14 +267,18 @@ def _runtime_needs(needs: set) -> dict:
     """The td_runtime.h sections the kernels' calls need (runtime.h.j2 variables)."""
     simple = {w[0] for w in needs}
     requant = {n for n in simple if n.startswith("requant")}
+    if "requant_vcvtr2" in requant:
+        requant.add("requant_vcvtr")
     if requant & {"requant_f32", "requant_vcvtr"}:
         requant.add("requant_scale")
     dsp = {n for n in simple if n in ("sxtb16_r8", "pkhbt", "pkhtb", "smlal")}
     dsp |= {f"{w[1]}xtab16_r8" for w in needs if w[0] == "xtab16_r8"}
+    dsp |= {f"{w[1]}xtb16_r8" for w in needs if w[0] == "xtb16_r8"}
     return {"requant": sorted(requant), "dsp": sorted(dsp),
             "smlad_loops": sorted(w[1:] for w in needs if w[0] == "smlad_loop"),
             "smlad_rows": sorted(w[1] for w in needs if w[0] == "smlad_rows_loop"),
-            "vfma_loops": sorted(w[1:] for w in needs if w[0] == "vfma_loop")}
+            "vfma_loops": sorted(w[1:] for w in needs if w[0] == "vfma_loop"),
+            "dsp_loops": sorted(w[1:] for w in needs if w[0] == "dsp_loop")}
 
 
 def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInfo, isas: list[str],
@@ -270,12 +290,11 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     # Kernels: render each layer's specialisation once; #include lines go to the top of the file,
     # the td_runtime.h helpers the calls use are collected.
     funcs, by_source, counters, includes, needs = [], {}, {}, [], set()
-    layers, calls, fparams = [], {}, {}
-    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
-        if k is None:
-            continue
+    layers, calls, fparams, part_calls = [], {}, {}, {}
+
+    def render(k: Kernel, extra: dict | None = None) -> tuple[str, str]:
         with kreg.collecting_needs(needs):
-            source, isa = kreg.render(k.family, k.dtype, k.params, "@FN@", isas)
+            source, isa = kreg.render(k.family, k.dtype, dict(k.params, **(extra or {})), "@FN@", isas)
         fn = by_source.get(source)
         if fn is None:
             num = counters.get((k.family, k.dtype), 0)
@@ -287,29 +306,49 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             fparams[fn] = _param_names(proto)
             funcs.append({"comment": c_comment(f"{k.family} {k.dtype} ({isa}): {k.desc}", 200),
                           "source": text.lstrip("\n"), "prototype": proto})
-        calls[step] = (fn, isa)
-    if chosen is not None:
-        chosen.update(calls)
+        return fn, isa
 
-    # Weights: every constant a kernel reads, in order of first use, named by layer and role:
-    # td_l<step>_<node name, shortened>_<role>, the role from the kernel's parameter name.
-    weights, wsym, winfo, taken = [], {}, {}, set()
     for step, (n, k) in enumerate(zip(g.nodes, kerns)):
         if k is None:
             continue
-        fn, isa = calls[step]
+        if k.parts:           # a kernel that calls others (a patch-based chain): rendered once they are named
+            part_calls[step] = [render(pt) for pt in k.parts]
+            continue
+        calls[step] = render(k)
+
+    # Weights: every constant a kernel reads, in order of first use, named by layer and role:
+    # td_l<step>_<node name, shortened>_<role>, the role from the kernel's parameter name. The
+    # parts of a chain name theirs after their own layers.
+    weights, wsym, winfo, taken = [], {}, {}, set()
+
+    def name_weights(layer: int, k: Kernel, fn: str, isa: str) -> None:
         params = fparams[fn]
         if len(params) != len(k.args):
-            raise TinydeployError(f"kernel {fn} takes {len(params)} arguments, layer {step} passes {len(k.args)}; "
+            raise TinydeployError(f"kernel {fn} takes {len(params)} arguments, layer {layer} passes {len(k.args)}; "
                                   "this is a tinydeploy bug")
-        stem = _stem(n.name or n.onnx_op, 32)
+        node = g.nodes[layer]
+        stem = _stem(node.name or node.onnx_op, 32)
         for a, param in zip(k.args, params):
+            if a.startswith("@"):
+                continue
             t = k.tensor(a, g)
             if t.is_const and a not in wsym:
                 role = _role(param, params)
-                wsym[a] = _unique(f"{p}_l{step}_{stem}", taken, f"_{role}")
-                winfo[a] = c_comment(f"layer {step} ({n.onnx_op}) {_role_text(role, param, t, k, isa)}", 160)
+                wsym[a] = _unique(f"{p}_l{layer}_{stem}", taken, f"_{role}")
+                winfo[a] = c_comment(f"layer {layer} ({node.onnx_op}) {_role_text(role, param, t, k, isa)}", 160)
                 weights.append(t)
+
+    for step, (n, k) in enumerate(zip(g.nodes, kerns)):
+        if k is None:
+            continue
+        if k.parts:
+            for pt, (fn, isa), layer in zip(k.parts, part_calls[step], k.params["levels"]):
+                name_weights(layer["step"], pt, fn, isa)
+            parts = [{"fn": fn, "args": [wsym.get(a, a) for a in pt.args]} for pt, (fn, _) in zip(k.parts, part_calls[step])]
+            calls[step] = render(k, {"parts": parts})
+        name_weights(step, k, *calls[step])
+    if chosen is not None:
+        chosen.update(calls)
     weights_bytes = sum(t.nbytes for t in weights)
     blob = weights_bytes > BLOB_THRESHOLD
 
@@ -328,8 +367,12 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
         desc = (f"{step}: {n.onnx_op} \"{c_comment(n.name, 60)}\" "
                 + " ".join(_shape(g.t(i)) for i in ins) + " -> " + " ".join(_shape(g.t(o)) for o in n.outputs if o))
         if k is None:
-            what = "view" if REGISTRY[n.op].view else "read through by a later layer's kernel"
-            layers.append({"comment": desc + f" ({what}: no code)", "call": "", "step": step, "captures": []})
+            by = next((j for j, kk in enumerate(kerns) if kk is not None and step in kk.fused), None)
+            if by is not None:
+                why = f"computed by step {by}, row by row"
+            else:
+                why = ("view" if REGISTRY[n.op].view else "read through by a later layer's kernel") + ": no code"
+            layers.append({"comment": f"{desc} ({why})", "call": "", "step": step, "captures": []})
             continue
         args = [wsym[a] if lookup[a].is_const else
                 f"({c_type(lookup[a].dtype)} *)TD_{'SCRATCH_' if a in plan.apart else ''}AT({off[a]})" for a in k.args]
@@ -395,7 +438,7 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             header=header(info, f"{names['model_c']}: arena and layer schedule"), layers=layers, inputs=inputs,
             outputs=outputs, arena_bytes=plan.arena_bytes, alignment=alignment, offsets=offsets, states=state_list,
             arena_static=arena_static, arena_sym=f"{p}_arena" if lib else "td_arena", sections=sections,
-            scratch_bytes=plan.scratch_bytes, run_head=f"static void {p}_layers(unsigned char *arena)" if lib
+            scratch_bytes=plan.scratch_bytes, lower_bound=plan.lower_bound, live=_live_report(plan, kerns), run_head=f"static void {p}_layers(unsigned char *arena)" if lib
             else "void td_run(void)", uses=uses, **common),
         names["kernels_c"]: env.get_template("kernels.c.j2").render(
             header=header(info, f"{names['kernels_c']}: specialised layer kernels"), kernels=funcs,

@@ -32,15 +32,17 @@ def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float, threads: in
     return statistics.median(times) * 1000.0, runs
 
 
-def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=None) -> list[dict]:
+def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=None,
+              optimize: str = "balanced") -> list[dict]:
     """Microcontroller boards, under QEMU: exact instructions per inference (the figure to
     optimise on Cortex-M), MACs per instruction, arena, flash and RAM."""
     rows = []
     for m in models:
-        r = flow.run(Path(m), board, quiet=as_json, emulate=True, max_weights_bytes=max_weights_bytes)
+        r = flow.run(Path(m), board, quiet=as_json, emulate=True, max_weights_bytes=max_weights_bytes,
+                     optimize=optimize)
         macs = r["macs"]
         ins = r["latency"]["instructions"]
-        rows.append({"model": Path(m).name, "board": board, "instructions": ins, "macs": macs,
+        rows.append({"model": Path(m).name, "board": board, "optimize": optimize, "instructions": ins, "macs": macs,
                      "macs_per_instruction": macs / ins if ins else None, "outputs_match": r["outputs_match"],
                      **{k: r["memory"][k] for k in ("arena_bytes", "lower_bound_bytes", "flash_bytes", "ram_bytes",
                                                     "flash_limit_bytes", "ram_limit_bytes")}})
@@ -51,18 +53,18 @@ def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=No
     for r in rows:
         print(f"{r['model']:<28} {r['instructions']:>13,} {r['macs_per_instruction']:>10.3f} {r['arena_bytes']:>9,} "
               f"{r['flash_bytes']:>10,} {r['ram_bytes']:>9,}  {'yes' if r['outputs_match'] else 'NO'}")
-    print(f"instructions per inference are exact under QEMU -icount ({board}; limits: flash "
+    print(f"instructions per inference are exact under QEMU -icount ({board}, --optimize {optimize}; limits: flash "
           f"{rows[0]['flash_limit_bytes']:,} B, RAM {rows[0]['ram_limit_bytes']:,} B)" if rows else "", file=sys.stderr)
     return rows
 
 
 def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
-          threads: int = 1, max_weights_bytes=None) -> list[dict]:
+          threads: int = 1, max_weights_bytes=None, optimize: str = "balanced") -> list[dict]:
     from tinydeploy.targets import boards
     board_obj = boards.get_board(board)
     flow.check_threads(board_obj, threads)
     if board_obj.is_mcu:
-        return bench_mcu(models, board, as_json, max_weights_bytes)
+        return bench_mcu(models, board, as_json, max_weights_bytes, optimize)
     runner = runners.select_runner(board_obj)
     rows = []
     for m in models:
@@ -187,7 +189,7 @@ def bench_layers_mcu(models: list[str], board: str, as_json: bool, max_weights_b
 
 
 def add_parser(sub) -> None:
-    from tinydeploy.commands.common import max_weights, threads
+    from tinydeploy.commands.common import max_weights, optimize, threads
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
     p.add_argument("models", nargs="+")
     p.add_argument("--board", default="host")
@@ -200,6 +202,7 @@ def add_parser(sub) -> None:
     p.add_argument("--emulate", action="store_true", help="with --layers: run an SBC board's build under "
                    "qemu-aarch64 (times labelled emulated)")
     max_weights(p)
+    optimize(p)
 
 
 def main(args, ctx) -> int:
@@ -207,5 +210,5 @@ def main(args, ctx) -> int:
         bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads,
                      ctx.max_weights_bytes)
     else:
-        bench(args.models, args.board, args.seconds, args.json, args.threads, ctx.max_weights_bytes)
+        bench(args.models, args.board, args.seconds, args.json, args.threads, ctx.max_weights_bytes, args.optimize)
     return 0

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from tinydeploy import flow
-from tinydeploy.commands.common import Context, model_options, print_library_summary, print_summary, threads
+from tinydeploy.commands.common import Context, model_options, optimize, print_library_summary, print_summary, threads
 from tinydeploy.errors import TinydeployError
 
 
@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--quantize", choices=["uint8", "int8"], help="quantise first (onnxruntime, QDQ, per channel)")
     p.add_argument("--calibration", help="calibration data for --quantize (.npz/.npy or a folder)")
     threads(p)
+    optimize(p)
     g = p.add_argument_group("library form (one model or several in one program)")
     g.add_argument("--name", action="append", metavar="NAME", help="the prefix of the model's symbols, macros and "
                    "files (kws: kws_ctx_run(), KWS_ARENA_BYTES, kws_model.h); one per model, in order (default: "
@@ -84,7 +85,7 @@ def main(args, ctx: Context) -> int:
     if not args.quantize:
         r = flow.build(model, args.board, args.outdir, args.force, ctx.shapes, ctx.command,
                        emulate=args.emulate, builder=args.builder, threads=args.threads,
-                       max_weights_bytes=ctx.max_weights_bytes)
+                       max_weights_bytes=ctx.max_weights_bytes, optimize=args.optimize)
         print_summary(r.summary)
         return 0
     from tinydeploy.frontend import quantize as q
@@ -97,7 +98,8 @@ def main(args, ctx: Context) -> int:
                          max_weights_bytes=ctx.max_weights_bytes)
         q.print_report(rep)
         r = flow.build(qmodel, args.board, args.outdir, args.force, ctx.shapes, ctx.command, emulate=args.emulate,
-                       builder=args.builder, threads=args.threads, max_weights_bytes=ctx.max_weights_bytes)
+                       builder=args.builder, threads=args.threads, max_weights_bytes=ctx.max_weights_bytes,
+                       optimize=args.optimize)
         shutil.copyfile(qmodel, r.outdir / qmodel.name)   # keep the model the C was made from
     print_summary(r.summary)
     return 0

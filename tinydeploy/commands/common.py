@@ -36,6 +36,14 @@ def max_weights(p: argparse.ArgumentParser) -> None:
                    "available memory / the build's memory per weight byte)")
 
 
+def optimize(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--optimize", choices=["balanced", "speed", "size"], default="balanced",
+                   help="microcontroller boards: what the 8-bit kernels may spend flash on. size: weights at one "
+                   "byte each; balanced (default): int16 weights only where they save the most instructions per "
+                   "byte, within 1/8 of the weights; speed: int16 weights wherever they are faster (up to 384 KiB "
+                   "more flash)")
+
+
 def threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="Linux boards: run each layer on up to N OpenMP threads (default 1)")
@@ -93,6 +101,8 @@ def print_summary(s: dict) -> None:
     print(f"{printable(s['model'])} -> {printable(s['outdir'])} ({s['board']})")
     print(f"  layers {s['layers']}, MACs {s['macs']:,}, weights {s['weights_bytes']:,} B")
     print(f"  arena {s['arena_bytes']:,} B (lower bound {s['lower_bound_bytes']:,} B)")
+    if s.get("weights_layout"):
+        print(f"  {s['weights_layout']}")
     for n in s["notes"]:
         print(f"  note: {n}")
     fw = s.get("firmware")

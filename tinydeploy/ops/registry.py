@@ -38,6 +38,23 @@ class Kernel:
     desc: str = ""                  # one-line human description for the comment
     consts: dict[str, ir.Tensor] = field(default_factory=dict)   # build-time arrays it made, by name
     scratch_dtype: str = "float32"  # the C type its scratch argument points to
+    # It may write its output at byte `alias` of input 0's buffer (it reads what it needs first;
+    # the planner decides, and sets params["INPLACE"]); alias_free: at no cost in instructions.
+    alias: int | None = None
+    alias_free: bool = True
+    fused: tuple[int, ...] = ()     # earlier steps it computes itself (their outputs get no buffer)
+    # kernels it calls (a patch-based chain's layers): their args name their constants, "@in",
+    # "@out" and "@scratch" for what the caller passes
+    parts: list["Kernel"] = field(default_factory=list)
+
+    def constants(self, g: ir.Graph) -> dict[str, ir.Tensor]:
+        """Every constant it and its parts read, by name, in order of first use."""
+        out = {}
+        for k in [self] + self.parts:
+            for a in k.args:
+                if not a.startswith(("@", "#")) and a not in out and k.tensor(a, g).is_const:
+                    out[a] = k.tensor(a, g)
+        return out
 
     def tensor(self, name: str, g: ir.Graph, step: int | None = None) -> ir.Tensor:
         """An argument's tensor: one of the kernel's own constants, its scratch, or the graph's."""

@@ -66,21 +66,24 @@ from tinydeploy.schedule.conv import _select_conv, conv_choice, conv_costs, is_d
 from tinydeploy.schedule.cost import _algo_env, _isa, blocking, pick_tile, ranked_tiles  # noqa: F401
 from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
 from tinydeploy.schedule.first import drop_folded
-from tinydeploy.schedule.mcu import select_mcu
+from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
+from tinydeploy.schedule import mcu, stream
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 
 
-def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: int = 1) -> list[Kernel | None]:
+def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: int = 1,
+                   optimize: str = "balanced") -> list[Kernel | None]:
     """Replace generic fp32 conv2d/dense kernels by faster algorithms where the cost model says
-    so; with threads > 1, spread each fast layer over up to that many threads."""
+    so; with threads > 1, spread each fast layer over up to that many threads. `optimize`
+    (balanced, speed, size): what microcontroller kernels may spend flash on (schedule/mcu.py)."""
     force = _algo_env()
     # microcontrollers: weights packed for the DSP extension (8-bit) and the FPU (fp32) kernels
-    kernels = select_mcu(g, kernels, target)
+    kernels = select_mcu(g, kernels, target, optimize)
     if not target.caches and force == "auto":
         # cores without a data cache to block for (microcontrollers), where RAM matters more:
         # depthwise fp32 convolutions take the padded-plane kernel (one plane of scratch)
-        return [_select_conv(g, s, k, target, "conv2d_dw")
+        return [mcu.in_place_dw_f32(_select_conv(g, s, k, target, "conv2d_dw"))
                 if k is not None and k.family == "conv2d" and k.dtype == "f32" and is_depthwise(k.params) else k
                 for s, k in enumerate(kernels)]
     # The tuning database's measured choice for a layer shape beats the cost model; the
@@ -103,6 +106,17 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
                 k.desc = k.desc.replace("] ", " tuned] " if forced is None else " candidate] ", 1)
         out.append(parallelise(g, step, k, threads))
     return drop_folded(out)
+
+
+def fit_scratch(k: Kernel, room: int) -> bool:
+    """Size kernel k's scratch to the `room` bytes the planner found at its step (microcontroller
+    kernels: GEMM tiles, patch-based chains); False for kernels whose scratch has one size."""
+    return (stream.fit if k.family == "stream" else mcu.fit_scratch)(k, room)
+
+
+def chain_candidates(g: ir.Graph, kernels: list[Kernel | None]) -> list:
+    """Patch-based chains the planner may take (schedule/stream.py)."""
+    return stream.candidates(g, kernels)
 
 
 def selection_state(target) -> str:

@@ -24,6 +24,11 @@ def _ref_scratch_floats(p: dict) -> int:
     return planes + 2 * flat
 
 
+def ref_scratch_bytes(p: dict) -> int:
+    """The portable kernel's scratch in bytes (what a patch-based chain's depthwise layer takes)."""
+    return 4 * _ref_scratch_floats(p)
+
+
 def simd_geometry(p: dict, lanes: int, registers: int) -> dict:
     """The vector kernel's parameters: VW lanes, RB output rows per block, the column-phase planes
     (HPD rows of RSP floats; per phase its padded-column phase px and the plane columns [lo, hi)
