@@ -220,11 +220,11 @@ def test_planner_aliases_a_state_only_when_nothing_reads_it_later(tmp_path):
     g = prepared_graph(p)
     kernels = select_kernels(g, lower(g), get_target("host"))
     pairs = (("frames_in", "frames_out"), ("h_in", "h_out"), ("mean_in", "mean_out"))
-    plan = planner.plan_memory(g, kernels, 16, pairs)
+    plan = planner.plan_memory(g, kernels, 16, states=pairs)
     plain = planner.plan_memory(g, kernels, 16)
-    assert plan.aliased == {"frames_out", "h_out"}
+    assert plan.state_aliased == {"frames_out", "h_out"}
     for i, o in pairs:
-        assert (plan.offsets[i] == plan.offsets[o]) == (o in plan.aliased)
+        assert (plan.offsets[i] == plan.offsets[o]) == (o in plan.state_aliased)
     # the state inputs live to the end: nothing else ever shares their bytes
     owner = {n: b for b in plan.buffers for n in b.tensors}
     for i, _ in pairs:

@@ -301,6 +301,9 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
             counters[(k.family, k.dtype)] = num + 1
             fn = f"{p}_{k.family}_{k.dtype}_{num}"
             by_source[source] = fn
+            # a kernel that names weights itself (a patch-based chain calling its layers) includes
+            # the classic weights header: in the library form it carries the model's prefix
+            source = source.replace('#include "td_weights.h"', f'#include "{names["weights_h"]}"')
             text = _hoist_includes(source.replace("@FN@", fn), includes)
             proto = text[:text.index("\n{")].strip()
             fparams[fn] = _param_names(proto)
@@ -392,7 +395,7 @@ def generate(g: ir.Graph, kerns: list[Kernel | None], plan: Plan, info: ModelInf
     state_list = []
     for i, (si, so) in enumerate(states.items()):
         st = _io("state", i, g.t(si), off[si])
-        st.update(out_offset=off[so], aliased=so in plan.aliased or off[so] == off[si], fill=_state_zero(g.t(si)),
+        st.update(out_offset=off[so], aliased=so in plan.state_aliased or off[so] == off[si], fill=_state_zero(g.t(si)),
                   comment=f"{st['comment']} -> \"{c_comment(so, 60)}\"")
         state_list.append(st)
 
