@@ -181,6 +181,31 @@ def test_initializer_data_longer_than_its_dims(tmp_path):
     assert_user_error(cli_run(tmp_path, "build", "m.onnx"), "'w'", "80 bytes", "4x4 need 64")
 
 
+def test_stated_shapes_that_contradict_the_operators(tmp_path):
+    """Found by the long fuzz run (a Conv's pads changed; the model's value_info kept the old
+    shape): tinydeploy re-derived the shapes and built, onnxruntime then failed planning its
+    buffers by the stated ones (exit 3 before the fix)."""
+    w = const("w", np.ones((2, 2, 1, 1), np.float32))
+    m = make_model([helper.make_node("Conv", ["x", "w"], ["c"], name="conv0", pads=[0, 0, 0, 2]),
+                    helper.make_node("Relu", ["c"], ["y"], name="relu0")],
+                   [vi("x", [1, 2, 4, 4])], [vi("y", [1, 2, 4, 6])], [w])
+    m.graph.value_info.append(vi("c", [1, 2, 4, 4]))
+    save(m, tmp_path / "m.onnx")
+    msg = assert_user_error(cli_run(tmp_path, "run", "m.onnx"), "'c' is stated as 1x2x4x4", "1x2x4x6")
+    assert "refuses this model" not in msg, msg
+
+
+def test_old_opset_forms_onnxruntime_has_no_kernel_for(tmp_path):
+    """Found by the long fuzz run (opset set to 1): the converter took Add-1 to opset 13 and built
+    it, onnxruntime, the reference, then answered NOT_IMPLEMENTED (exit 3 before the fix)."""
+    m = make_model([helper.make_node("Add", ["x", "x"], ["y"], name="add0")], [vi("x", [1, 4])], [vi("y", [1, 4])],
+                   opset=1)
+    m.ir_version = 3
+    save(m, tmp_path / "m.onnx")
+    msg = assert_user_error(cli_run(tmp_path, "run", "m.onnx"), "opset 1", "Add (version 1)", "opset 7 or later")
+    assert "refuses this model" not in msg, msg
+
+
 def test_lrn_size_zero(tmp_path):
     save(make_model([helper.make_node("LRN", ["x"], ["y"], name="lrn0", size=0)], [vi("x", [1, 2, 4, 4])],
                     [vi("y", [1, 2, 4, 4])]), tmp_path / "m.onnx")

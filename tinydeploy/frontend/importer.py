@@ -186,9 +186,37 @@ def _channel_slopes_of_opset6(model: onnx.ModelProto) -> None:
         n.input[1] = name
 
 
+# Operators in a pre-opset-7 form (the schema the model's opset selects) that onnxruntime, the
+# reference, has no kernel for (measured with onnxruntime 1.32: it answers NOT_IMPLEMENTED). The
+# converter would turn them into opset 13, but the result could never be held to account.
+_NO_REFERENCE_BEFORE_7 = {
+    "Add": (1, 6), "Sub": (1, 6), "Mul": (1, 6), "Div": (1, 6), "Pow": (1,), "Sum": (1,), "Max": (1,),
+    "Min": (1,), "Relu": (1,), "Sigmoid": (1,), "Tanh": (1,), "Exp": (1,), "Log": (1,), "Abs": (1,),
+    "PRelu": (1, 6), "Clip": (1,), "Dropout": (1, 6), "Concat": (1,), "AveragePool": (1,), "Gemm": (1,),
+    "BatchNormalization": (1, 6), "Pad": (1,),
+}
+
+
+def _old_forms_without_reference(model: onnx.ModelProto, v: int) -> None:
+    found: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.domain in ("", "ai.onnx") and n.op_type in _NO_REFERENCE_BEFORE_7:
+            try:
+                since = onnx.defs.get_schema(n.op_type, v).since_version
+            except Exception:
+                continue
+            if since in _NO_REFERENCE_BEFORE_7[n.op_type]:
+                found.setdefault(n.op_type, since)
+    if found:
+        ops = ", ".join(f"{op} (version {since})" for op, since in sorted(found.items()))
+        raise TinydeployError(f"model uses opset {v}, and onnxruntime, the reference, implements none of its "
+                              f"{ops}; export the model with opset 7 or later (13 or later is best)")
+
+
 def _normalise_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     v = _opset(model)
     if v < 7:
+        _old_forms_without_reference(model, v)
         _channel_slopes_of_opset6(model)
     if v < MIN_OPSET:
         try:
@@ -254,6 +282,33 @@ def _pin_input_shapes(model: onnx.ModelProto, overrides: dict[str, tuple[int, ..
                 if not d.HasField("dim_value"):
                     d.Clear()
     del model.graph.value_info[:]
+
+
+def _declared_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """The intermediate shapes the model states (value_info; static dims, None where symbolic)."""
+    out = {}
+    for vi in model.graph.value_info:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+    return out
+
+
+def _refuse_contradicted_shapes(declared: dict[str, list[int | None]], inferred: dict) -> None:
+    """A model whose stated intermediate shapes contradict what its inputs and attributes make is
+    invalid (onnx's strict shape inference says so; onnxruntime plans its buffers by the stated
+    shapes and fails). The import re-derives those shapes, so it checks them first."""
+    bad = []
+    for name, dims in declared.items():
+        got = inferred.get(name, (None, 0))[0]
+        if got is None:
+            continue
+        if len(got) != len(dims) or any(d is not None and d != g for d, g in zip(dims, got)):
+            bad.append(f"{printable(name, 60)!r} is stated as {'x'.join('?' if d is None else str(d) for d in dims)} "
+                       f"but its inputs make it {'x'.join(map(str, got))}")
+    if bad:
+        raise TinydeployError(f"the model's stated shapes contradict its operators ({len(bad)} tensor"
+                              f"{'s' * (len(bad) != 1)}): " + "; ".join(bad[:4])
+                              + (f"; and {len(bad) - 4} more" if len(bad) > 4 else ""))
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -487,9 +542,11 @@ def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None,
         raise TinydeployError("the ONNX checker rejected the model: " + printable(msg[0] if msg else "")[:300]) from None
     notes: list[str] = []
     model = _normalise_opset(model)
+    declared = {} if input_shapes else _declared_shapes(model)
     _pin_input_shapes(model, input_shapes or {}, notes)
     _drop_padding_only_ceil_windows(model)
     model = _infer(model)
+    _refuse_contradicted_shapes(declared, _shapes(model))
     file_bytes = Path(path).stat().st_size
     tally = limits.Tally(budget, sum(_initializer_bytes(t) for t in model.graph.initializer))
     start = tally.used
