@@ -551,6 +551,10 @@ def classify(res: dict) -> tuple[str, str]:
 
 def _worker(tasks, results, cache: str, work: str):
     os.setpgrp()                       # a hang is killed with everything it started
+    # Forked from pytest, sys.stdout/err are its capture objects: write to the descriptors instead,
+    # which _captured_fds redirects.
+    sys.stdout = open(1, "w", closefd=False, errors="replace")
+    sys.stderr = open(2, "w", closefd=False, errors="replace")
     os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=0")
     sys.path.insert(0, str(REPO))
     _cached_compile(Path(cache))

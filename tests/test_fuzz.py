@@ -21,6 +21,7 @@ def _failures(rep) -> list[str]:
             for i, model, recipes, verdict, detail in rep["results"] if verdict in modelfuzz.FAILURES]
 
 
+@pytest.mark.slow
 @pytest.mark.models
 def test_bounded_fuzz_run(record_property):
     for name in modelfuzz.MODELS:
