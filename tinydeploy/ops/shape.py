@@ -8,7 +8,7 @@ from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
 from tinydeploy.ops.elementwise import broadcast_loops
-from tinydeploy.ops.verify import axes_problems, axis_problem, ints, shape
+from tinydeploy.ops.verify import axes_problems, axis_problem, input_axis, ints, shape
 
 
 def _any_dtype(node, g):
@@ -168,9 +168,7 @@ def emit_concat(node: ir.Node, g: ir.Graph) -> Kernel:
 
 
 def _verify_split(node, g) -> list[str]:
-    x = g.t(node.inputs[0]).shape
-    ax = int(node.attrs.get("axis", 0))
-    p = axis_problem(ax, len(x))
+    x, ax, p = input_axis(node, g)
     if p:
         return [p]
     got = [shape(g, o) for o in node.outputs if o]
@@ -280,9 +278,7 @@ def _gather_check(node, g):
 
 
 def _verify_gather(node, g) -> list[str]:
-    x = g.t(node.inputs[0]).shape
-    ax = int(node.attrs.get("axis", 0))
-    p = axis_problem(ax, len(x))
+    x, ax, p = input_axis(node, g)
     if p:
         return [p]
     idx = g.const(node.inputs[1])

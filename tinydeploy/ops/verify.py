@@ -149,6 +149,13 @@ def axis_problem(axis: int, rank: int, what: str = "axis") -> str | None:
     return None
 
 
+def input_axis(node: ir.Node, g: ir.Graph, default: int = 0) -> tuple[tuple[int, ...], int, str | None]:
+    """The first input's shape, the node's `axis` attribute, and what is wrong with that axis."""
+    x = tuple(g.t(node.inputs[0]).shape)
+    ax = int(node.attrs.get("axis", default))
+    return x, ax, axis_problem(ax, len(x))
+
+
 def axes_problems(axes: list[int], rank: int, what: str = "axes") -> list[str]:
     out = [p for a in axes if (p := axis_problem(a, rank, what[:-1] if what.endswith("s") else what))]
     norm = [a % rank for a in axes] if rank and not out else []
