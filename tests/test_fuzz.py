@@ -36,6 +36,7 @@ def test_bounded_fuzz_run(record_property):
     assert rep["counts"]["exit0"] > 0 and rep["counts"]["exit2"] > 0, line
 
 
+@pytest.mark.slow
 @pytest.mark.models
 def test_the_corpus_replays_cleanly(record_property):
     """What longer runs (python3 tests/modelfuzz.py --minutes 30) found: failures, fixed since, must
