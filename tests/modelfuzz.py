@@ -531,7 +531,7 @@ def classify(res: dict) -> tuple[str, str]:
         if bool(res_json.get("outputs_match")) != (code == 0) or (code == 1 and "max_abs_error" not in res_json):
             return "badjson", out[-200:]
         return f"exit{code}", "" if code == 0 else json.dumps({k: res_json.get(k) for k in
-                                                               ("max_abs_error", "max_rel_error", "tolerance")})
+                                                               ("max_abs_error", "max_rel_error", "tolerance", "note") if k in res_json})
     if code == 2:
         errors = [ln for ln in lines if ln.startswith("tinydeploy: error:")]
         if len(errors) != 1 or lines[-1] != errors[0]:

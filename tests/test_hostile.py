@@ -264,6 +264,7 @@ def test_identical_infinities_match_and_json_has_no_nan(tmp_path):
     for got in ([inf, 1.0], [nan, 1.0], [-inf, 1.0]):
         c = reference.compare([np.array(got, np.float32)], [np.array([1.0, 1.0])], 1e-4)
         assert c["outputs_match"] is False and c["max_abs_error"] == inf and c["max_rel_error"] == inf
+        assert c["note"] == "1 output element is NaN or infinite in one result and not the same in the other"
     text = json.dumps(json_safe({"a": inf, "b": [nan, 1.5], "c": {"d": -inf}}), allow_nan=False)
     assert json.loads(text) == {"a": None, "b": [None, 1.5], "c": {"d": None}}
 

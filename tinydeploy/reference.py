@@ -120,7 +120,7 @@ def run_oracle(model_bytes: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndar
 def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
     """Errors of `got` against `want`. max_rel_error is norm-wise per output,
     max|got - want| / max|want|, so elements near zero do not dominate it."""
-    max_abs, max_rel = 0.0, 0.0
+    max_abs, max_rel, odd = 0.0, 0.0, 0
     for a, b in zip(got, want):
         a64, b64 = a.astype(np.float64), np.asarray(b).astype(np.float64)
         if a64.shape != b64.shape:
@@ -130,6 +130,7 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
         # equal values (the same infinity included) and NaN against NaN agree; a NaN or an
         # infinity against anything else is an infinite error (never NaN: reports stay JSON)
         same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+        odd += int(np.count_nonzero(~same & ~(np.isfinite(a64) & np.isfinite(b64))))
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.where(same, 0.0, np.abs(a64 - b64))
         diff = np.where(np.isnan(diff), np.inf, diff)
@@ -138,7 +139,11 @@ def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
         e = float(diff.max(initial=0.0))
         max_abs = max(max_abs, e)
         max_rel = max(max_rel, e / scale if scale > 0 else (0.0 if e == 0 else float("inf")))
-    return {"outputs_match": bool(max_rel <= rtol), "max_abs_error": max_abs, "max_rel_error": max_rel}
+    res = {"outputs_match": bool(max_rel <= rtol), "max_abs_error": max_abs, "max_rel_error": max_rel}
+    if odd:   # the errors are infinite (null in JSON): say why
+        res["note"] = (f"{odd} output element{'s are' if odd != 1 else ' is'} NaN or infinite in one result and "
+                       "not the same in the other")
+    return res
 
 
 # ---- 8-bit outputs: compared in LSBs ----------------------------------------------------------
