@@ -39,6 +39,8 @@ def pytest_addoption(parser):
     g.addoption("--soak", type=int, default=5, metavar="N",
                 help="inferences per model in test_soak.py (default 5; raise it on hardware)")
     g.addoption("--hil-seed", type=int, default=0, metavar="SEED", help="seed of the random inputs")
+    g.addoption("--protofuzz", type=int, default=40, metavar="N",
+                help="faults per board in test_protocol_fuzz.py (default 40; seeded by --hil-seed)")
 
 
 def pytest_configure(config):

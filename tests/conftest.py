@@ -10,8 +10,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 _conformance_results = {}
 
 
+_fuzz_lines = []
+
+
 def pytest_runtest_logreport(report):
     props = dict(report.user_properties)
+    for key in ("fuzz_summary", "fuzz_corpus"):
+        if report.when == "call" and key in props:
+            _fuzz_lines.append(props[key])
     case = props.get("conformance_case")
     if case is None:
         return
@@ -28,6 +34,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _fuzz_lines:   # tests/test_fuzz.py: the mutation fuzzer's outcome counts
+        terminalreporter.section("fuzz")
+        for line in _fuzz_lines:
+            terminalreporter.write_line(line)
     if not _conformance_results:
         return
     from test_conformance import format_summary

@@ -149,8 +149,11 @@ def test_command_longer_than_80_characters(dev):
     ("db load 99999999999", "e-[db load: N must be 1..64 (the input buffer size)]"),
     ("db 00ff", "e-[db: no db load in progress]"),
     ("db", "e-[usage: db load N | db <hex> | db print]"),
-    ("infer 0 0", "e-[usage: infer N W (N >= 1 timed runs after W warm-up runs)]"),
-    ("infer a", "e-[usage: infer N W (N >= 1 timed runs after W warm-up runs)]"),
+    ("infer 0 0", "e-[usage: infer N W (1 <= N <= 1000000 timed runs after W <= 1000000 warm-up runs)]"),
+    ("infer a", "e-[usage: infer N W (1 <= N <= 1000000 timed runs after W <= 1000000 warm-up runs)]"),
+    ("infer 1 4294967295", "e-[usage: infer N W (1 <= N <= 1000000 timed runs after W <= 1000000 warm-up runs)]"),
+    ("infer 1000001 0", "e-[usage: infer N W (1 <= N <= 1000000 timed runs after W <= 1000000 warm-up runs)]"),
+    ("infer 99999999999 0", "e-[usage: infer N W (1 <= N <= 1000000 timed runs after W <= 1000000 warm-up runs)]"),
     ("infer 1 2 3", "e-[too many arguments: infer]"),
     ("bload 10", "e-[usage: bload N CRC32HEX]"),
     ("bload 10 xyz", "e-[usage: bload N CRC32HEX]"),
@@ -314,3 +317,22 @@ def test_energyrunner_image_path_for_ic_int8(toolchain, tmp_path):  # noqa: F811
         dev.infer(1, 0)
         got = np.frombuffer(dev.outputs(), want.dtype).reshape(want.shape)
     assert np.array_equal(got, want)
+
+
+def test_late_bytes_of_a_timed_out_bulk_load_are_never_commands(dev):
+    """Issue 12: bytes that arrived after a bload had timed out were run as commands. The load's
+    payload here is commands (quit% would end the firmware): after the e-[timeout ...] line the
+    board discards the rest of the announced bytes, then says m-ready and serves."""
+    payload = (b"quit%name%infer 9 9%" * 4)[:IN_BYTES]
+    dev.write(f"bload {len(payload)} {zlib.crc32(payload):08x}%".encode())
+    dev.expect(r"^m-bload-ready-64$")
+    dev.write(payload[:10])
+    dev.expect(r"^e-\[timeout: bulk load got 10 of 64 bytes\]$", timeout=120)
+    dev.write(payload[10:], note="(the late 54 bytes)")
+    _, lines = dev.expect(r"^m-ready$", timeout=120)
+    assert lines == [], lines                   # nothing of the payload was answered
+    still_serving(dev)
+    a, b, data = inputs(4)
+    dev.load(data)
+    dev.infer(1, 0)
+    assert np.array_equal(np.frombuffer(dev.outputs(), np.float32), a + b)

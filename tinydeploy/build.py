@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -49,22 +50,42 @@ def read_marker(outdir: Path) -> dict:
 def claim_outdir(outdir: Path, force: bool) -> dict:
     """Make sure writing into outdir loses nothing the user owns; returns the previous marker
     ({} for a new folder). A folder is tinydeploy's when its marker lists what tinydeploy wrote
-    there (with hashes); anything else that is not empty needs --force."""
+    there (with hashes); anything else that is not empty needs --force. Nothing is created yet
+    (write_files makes the folder), so a build refused later leaves no empty folder behind."""
     outdir = Path(outdir)
-    if outdir.is_symlink() and not outdir.exists():
-        raise TinydeployError(f"output path {printable(str(outdir))!r} is a dangling symbolic link; choose another -o")
-    if outdir.exists() and not outdir.is_dir():
-        raise TinydeployError(f"output path {printable(str(outdir))!r} exists and is not a folder")
-    previous = read_marker(outdir) if outdir.is_dir() else {}
-    if outdir.is_dir() and not previous and any(outdir.iterdir()) and not force:
-        raise TinydeployError(f"output folder {printable(str(outdir))!r} is not empty and was not made by "
-                              "tinydeploy; choose another -o or pass --force to write into it")
+    shown = printable(str(outdir))
     try:
-        outdir.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(outdir)
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                st = os.stat(outdir)
+            except OSError as e:
+                raise TinydeployError(f"output path {shown!r} is a symbolic link that leads nowhere ("
+                                      f"{printable(e.strerror or str(e), 60)}); choose another -o") from None
+    except FileNotFoundError:
+        st = None
+    except OSError as e:   # a name too long, a file where a folder should be, no permission, ...
+        raise TinydeployError(f"cannot use output path {shown!r}: {printable(e.strerror or str(e), 80)}; "
+                              "choose another -o") from None
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise TinydeployError(f"output path {shown!r} exists and is not a folder")
+    previous = read_marker(outdir) if st is not None else {}
+    try:
+        if st is not None and not previous and any(outdir.iterdir()) and not force:
+            raise TinydeployError(f"output folder {shown!r} is not empty and was not made by "
+                                  "tinydeploy; choose another -o or pass --force to write into it")
+    except OSError as e:
+        raise TinydeployError(f"cannot use output folder {shown!r}: "
+                              f"{printable(e.strerror or str(e), 80)}; choose another -o") from None
+    return previous
+
+
+def make_outdir(outdir: Path) -> None:
+    try:
+        Path(outdir).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TinydeployError(f"cannot create output folder {printable(str(outdir))!r}: "
                               f"{printable(e.strerror or str(e), 80)}; choose another -o") from None
-    return previous
 
 
 def _sha(path: Path) -> str:
@@ -82,45 +103,55 @@ def write_files(outdir: Path, files: dict[str, str | bytes], previous: dict, for
     symbolic links are never followed (each file is written to a temporary name and renamed over
     whatever the path held)."""
     outdir = Path(outdir)
+    make_outdir(outdir)
     ours = previous.get("files", {})
     hashes, changed = {}, []
     for rel, text in files.items():
-        data = text.encode() if isinstance(text, str) else bytes(text)
-        sha = hashlib.sha256(data).hexdigest()
-        hashes[rel] = sha
-        p = outdir / rel
-        if ".." in Path(rel).parts or Path(rel).is_absolute():
-            raise TinydeployError(f"internal: generated file name {printable(rel)!r} leaves the output folder")
-        for parent in reversed(p.relative_to(outdir).parents[:-1]):
-            q = outdir / parent
-            if q.is_symlink():
-                raise TinydeployError(f"{printable(str(q))} is a symbolic link inside the output folder; "
-                                      "remove it (tinydeploy never writes through links)")
-            q.mkdir(exist_ok=True)
-        if p.is_file() and not p.is_symlink():
-            current = _sha(p)
-            if current == sha:
-                continue
-            if ours.get(rel) != current and not force:
-                changed.append(rel)
-                continue
-        elif (p.exists() or p.is_symlink()) and not force and rel not in ours:
-            changed.append(rel)
-            continue
-        if p.is_dir() and not p.is_symlink():
-            raise TinydeployError(f"{printable(str(p))} is a folder where tinydeploy writes a file; remove it")
-        tmp = p.with_name(f".{p.name}.tinydeploy-{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        with os.fdopen(fd, "wb") as fh:
-            for i in range(0, len(data), 64 << 20):   # in slices: a 1 GB weights file is never
-                fh.write(data[i:i + (64 << 20)])       # held twice
-        os.replace(tmp, p)
+        try:
+            _write_one(outdir, rel, text, ours, force, hashes, changed)
+        except OSError as e:
+            raise TinydeployError(f"cannot write {printable(str(outdir / rel))!r}: "
+                                  f"{printable(e.strerror or str(e), 80)}") from None
     if changed:
         shown = ", ".join(printable(c, 60) for c in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         raise TinydeployError(f"{shown} in {printable(str(outdir))!r} changed since tinydeploy wrote "
                               f"{'them' if len(changed) > 1 else 'it'} (or tinydeploy did not write "
                               f"{'them' if len(changed) > 1 else 'it'}); pass --force to overwrite, or choose another -o")
     return hashes
+
+
+def _write_one(outdir: Path, rel: str, text, ours: dict, force: bool, hashes: dict, changed: list) -> None:
+    """One file of write_files (see there): written, left alone when unchanged, or noted in `changed`."""
+    data = text.encode() if isinstance(text, str) else bytes(text)
+    sha = hashlib.sha256(data).hexdigest()
+    hashes[rel] = sha
+    p = outdir / rel
+    if ".." in Path(rel).parts or Path(rel).is_absolute():
+        raise TinydeployError(f"internal: generated file name {printable(rel)!r} leaves the output folder")
+    for parent in reversed(p.relative_to(outdir).parents[:-1]):
+        q = outdir / parent
+        if q.is_symlink():
+            raise TinydeployError(f"{printable(str(q))} is a symbolic link inside the output folder; "
+                                  "remove it (tinydeploy never writes through links)")
+        q.mkdir(exist_ok=True)
+    if p.is_file() and not p.is_symlink():
+        current = _sha(p)
+        if current == sha:
+            return
+        if ours.get(rel) != current and not force:
+            changed.append(rel)
+            return
+    elif (p.exists() or p.is_symlink()) and not force and rel not in ours:
+        changed.append(rel)
+        return
+    if p.is_dir() and not p.is_symlink():
+        raise TinydeployError(f"{printable(str(p))} is a folder where tinydeploy writes a file; remove it")
+    tmp = p.with_name(f".{p.name}.tinydeploy-{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        for i in range(0, len(data), 64 << 20):   # in slices: a 1 GB weights file is never
+            fh.write(data[i:i + (64 << 20)])       # held twice
+    os.replace(tmp, p)
 
 
 def write_marker(outdir: Path, kind: str, hashes: dict[str, str], **extra) -> None:

@@ -3,6 +3,7 @@ board, run it against onnxruntime, benchmark it."""
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from tinydeploy.targets import boards
 from tinydeploy import schedule
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.inputfiles import regular_size
 from tinydeploy.pipeline import Compiled, compile_model
 from tinydeploy.runners.harness import time_runs
 
@@ -32,6 +34,32 @@ def check_threads(board: dict, threads) -> int:
         raise TinydeployError(f"--threads is for Linux boards (host, rpi4, jetson-*); {board.id} is a "
                               "single-core microcontroller: leave --threads out")
     return threads
+
+
+MAX_RUNS = 100_000
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_runs(runs) -> int | None:
+    """`--runs N`: timed inferences, 1 to MAX_RUNS (None: the command's default)."""
+    if runs is None:
+        return None
+    if isinstance(runs, bool) or not isinstance(runs, int) or not 1 <= runs <= MAX_RUNS:
+        raise TinydeployError(f"--runs must be a whole number from 1 to {MAX_RUNS}, not {printable(str(runs), 20)!r}")
+    return runs
+
+
+def check_timeout(timeout) -> float:
+    """`--timeout S`: seconds every wait on a board may last, a positive finite number."""
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        t = float("nan")
+    if isinstance(timeout, bool) or not (math.isfinite(t) and 0 < t <= MAX_TIMEOUT_S):
+        shown = f"{t:g}" if isinstance(timeout, float) else str(timeout)
+        raise TinydeployError(f"--timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g} "
+                              f"(a week), not {printable(shown, 20)!r}")
+    return t
 
 
 def progress(msg: str) -> None:
@@ -144,8 +172,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
     builder = builder or ("make" if emulate or board.is_qemu_machine else "pio")
     outdir = Path(outdir) if outdir else default_outdir(model, board.id + ("-emulated" if emulate else ""))
     log = (lambda m: None) if quiet else progress
-    if not model.is_file():
-        raise TinydeployError(f"model file {printable(str(model))!r} does not exist or is not a file")
+    regular_size(model, "model file")
     key = bld.build_key(sha256_file(model), board.id,
                         {"shapes": sorted((k, list(v)) for k, v in (input_shapes or {}).items()),
                          "cflags": extra_cflags or [], "cc": cc or "", "threads": threads, "emulate": emulate,
@@ -349,24 +376,11 @@ def _dequantized_scale(g, name: str) -> float | None:
 
 
 def load_inputs(path: Path, g_inputs: list[tuple[str, tuple, np.dtype]]) -> dict[str, np.ndarray]:
-    try:
-        data = np.load(path, allow_pickle=False)
-        # an .npz loads its arrays lazily: read them here, where errors are caught
-        arrays = dict(data.items()) if hasattr(data, "items") else {g_inputs[0][0]: data}
-    except Exception as e:
-        raise TinydeployError(f"cannot read inputs from {printable(str(path))!r}: {printable(str(e), 120)}") from None
-    out = {}
-    for name, shape, dtype in g_inputs:
-        if name not in arrays:
-            raise TinydeployError(f"{printable(str(path))} has no array named {printable(name)!r} "
-                                  f"(expected {np.dtype(dtype).name} {'x'.join(map(str, shape))}; "
-                                  f"it has {', '.join(map(printable, arrays)) or 'none'})")
-        a = arrays[name]
-        if tuple(a.shape) != tuple(shape) or a.dtype != dtype:
-            raise TinydeployError(f"input {printable(name)!r}: expected {np.dtype(dtype).name} "
-                                  f"{'x'.join(map(str, shape))}, got {a.dtype.name} {'x'.join(map(str, a.shape))}")
-        out[name] = a
-    return out
+    """The model's inputs from an .npz (arrays named like the inputs; others are never read) or an
+    .npy (one input): a regular file, each array's shape, type and byte order checked from its
+    header before its data is read (tinydeploy.inputfiles)."""
+    from tinydeploy.inputfiles import load_arrays
+    return load_arrays(path, g_inputs)
 
 
 def io_specs(summary: dict, kind: str) -> list[tuple[str, tuple, np.dtype]]:
@@ -400,6 +414,7 @@ def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outd
     board = boards.get_board(board)
     board_id = board.id
     check_threads(board, threads)
+    runs = check_runs(runs)
     timed = runner is not None or bool(runs)     # a runner handed in is for measuring (and stays open)
     with contextlib.nullcontext(runner) if runner else runners.select_runner(board, emulate) as runner:
         b = build(model, board, outdir, force, input_shapes, command, reuse=True, quiet=quiet,
@@ -453,6 +468,7 @@ def measure(model, board, port: str | None, inputs=None, seed: int = 0, input_sh
     model = Path(model)
     board = boards.get_board(board)
     board_id = board.id
+    runs, timeout = check_runs(runs), check_timeout(timeout)
     if board.is_linux:
         return _measure_linux(model, board, port, energy, sysfs_root, emulate, runs, inputs=inputs, seed=seed,
                               input_shapes=input_shapes, outdir=outdir, force=force, command=command, quiet=quiet,

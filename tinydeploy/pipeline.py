@@ -14,6 +14,7 @@ from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
 from tinydeploy.frontend.importer import import_model, sha256_file
 from tinydeploy.ops import REGISTRY, Kernel, unsupported_nodes
+from tinydeploy.ops.verify import verify_graph
 from tinydeploy.passes import LOWER_8BIT, run_passes
 from tinydeploy.schedule import chain_candidates, fit_scratch, select_kernels
 from tinydeploy.planner import Plan, plan_memory
@@ -140,10 +141,13 @@ def lower(g: ir.Graph) -> list[Kernel | None]:
     return [REGISTRY[n.op].emit(n, g) for n in g.nodes]
 
 
-def prepared_graph(path, input_shapes=None, max_weights_bytes: "int | limits.Budget | None" = None) -> ir.Graph:
-    """import -> 8-bit islands to integer operators -> support check (every unsupported operator
-    at once) -> the other passes: the graph kernel lowering starts from."""
+def prepared_graph(path, input_shapes=None, max_weights_bytes: "int | limits.Budget | None" = None,
+                   bytes_max: int = 2**63 - 1) -> ir.Graph:
+    """import -> the verifier (every problem at once: ops/verify.py) -> 8-bit islands to integer
+    operators -> support check (every unsupported operator at once) -> the other passes: the graph
+    kernel lowering starts from. `bytes_max`: the target's largest tensor (Target.bytes_max)."""
     g, _ = import_model(path, input_shapes, max_weights_bytes)
+    verify_graph(g, bytes_max)
     run_passes(g, [LOWER_8BIT], done=())
     check_supported(g)
     run_passes(g)
@@ -191,7 +195,7 @@ def compile_model(path, target: Target, input_shapes=None, command: str = "", bo
     against the graph: resolve_states). `optimize` (balanced, speed, size): what
     microcontroller kernels may spend flash on."""
     budget = limits.budget(max_weights_bytes)
-    g = prepared_graph(path, input_shapes, budget)
+    g = prepared_graph(path, input_shapes, budget, target.bytes_max)
     if api is not None and state_pairs:
         api = dataclasses.replace(api, states=resolve_states(g, state_pairs, states_required))
     macs = sum(REGISTRY[n.op].macs(n, g) for n in g.nodes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinydeploy.codegen.cfmt import printable
-
+from tinydeploy.errors import TinydeployError
 
 
 def random_inputs(specs: list[tuple[str, tuple, np.dtype]], seed: int) -> dict[str, np.ndarray]:
@@ -39,32 +39,54 @@ def is_8bit(model) -> bool:
     return any(n.op_type in _QDQ_OPS or n.op_type in REWRITTEN for n in model.graph.node)
 
 
+def refused(e: Exception) -> TinydeployError:
+    """onnxruntime refusing a model tinydeploy accepted (the verifier, tinydeploy/ops/verify.py,
+    should have refused it first: please report it): one line, its own words, sanitised."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(e).__name__
+    status = text.rfind("Status Message:")
+    text = text[status + len("Status Message:"):].strip() if status >= 0 else text
+    return TinydeployError(f"onnxruntime, the reference, refuses this model: {printable(text, 300)} -- tinydeploy "
+                           "should have refused it first; please report it with the model")
+
+
 def _session(model_bytes: bytes, optimize: bool):
     import onnxruntime as ort
+    ort.set_default_logger_severity(4)   # its errors come back as exceptions; nothing on stderr
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
-    so.log_severity_level = 3
+    so.log_severity_level = 4
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
         return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
     except Exception as e:
         if "IR version" not in str(e):
-            raise
-        # A newer onnx package stamps IR versions this onnxruntime does not know yet; the graph
-        # itself is unaffected, so retry with the newest IR version onnxruntime accepts.
-        import onnx
-        m = onnx.load_model_from_string(model_bytes)
-        m.ir_version = 10
+            raise refused(e) from None
+    # A newer onnx package stamps IR versions this onnxruntime does not know yet; the graph
+    # itself is unaffected, so retry with the newest IR version onnxruntime accepts.
+    import onnx
+    m = onnx.load_model_from_string(model_bytes)
+    m.ir_version = 10
+    try:
         return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        raise refused(e) from None
+
+
+def run_session(sess, feeds: dict) -> list[np.ndarray]:
+    try:
+        return sess.run(None, feeds)
+    except Exception as e:
+        raise refused(e) from None
 
 
 def run_onnxruntime(model_bytes: bytes, feeds: dict[str, np.ndarray], optimize: bool = True) -> list[np.ndarray]:
     """onnxruntime's CPU session, 1 thread. optimize=True is its default (fast) session, which
     fuses 8-bit QDQ groups into kernels whose results depend on the CPU (see run_oracle);
     optimize=False runs every node as written (ORT_DISABLE_ALL)."""
-    return _session(model_bytes, optimize).run(None, feeds)
+    return run_session(_session(model_bytes, optimize), feeds)
 
 
 def oracle_bytes(model_bytes: bytes) -> tuple[bytes, bool]:
@@ -98,25 +120,30 @@ def run_oracle(model_bytes: bytes, feeds: dict[str, np.ndarray]) -> list[np.ndar
 def compare(got: list[np.ndarray], want: list[np.ndarray], rtol: float) -> dict:
     """Errors of `got` against `want`. max_rel_error is norm-wise per output,
     max|got - want| / max|want|, so elements near zero do not dominate it."""
-    max_abs, max_rel = 0.0, 0.0
+    max_abs, max_rel, odd = 0.0, 0.0, 0
     for a, b in zip(got, want):
         a64, b64 = a.astype(np.float64), np.asarray(b).astype(np.float64)
         if a64.shape != b64.shape:
             return {"outputs_match": False, "max_abs_error": float("inf"), "max_rel_error": float("inf")}
         if a64.size == 0:
             continue
-        both_nan = np.isnan(a64) & np.isnan(b64)
-        diff = np.where(both_nan, 0.0, np.abs(a64 - b64))
-        if np.isnan(diff).any():
-            return {"outputs_match": False, "max_abs_error": float("nan"), "max_rel_error": float("nan")}
+        # equal values (the same infinity included) and NaN against NaN agree; a NaN or an
+        # infinity against anything else is an infinite error (never NaN: reports stay JSON)
+        same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+        odd += int(np.count_nonzero(~same & ~(np.isfinite(a64) & np.isfinite(b64))))
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(same, 0.0, np.abs(a64 - b64))
+        diff = np.where(np.isnan(diff), np.inf, diff)
         finite = np.isfinite(b64)
-        same_inf = (~finite) & (a64 == b64)
-        diff = np.where(same_inf, 0.0, diff)
         scale = np.max(np.abs(np.where(finite, b64, 0.0)), initial=0.0)
         e = float(diff.max(initial=0.0))
         max_abs = max(max_abs, e)
         max_rel = max(max_rel, e / scale if scale > 0 else (0.0 if e == 0 else float("inf")))
-    return {"outputs_match": bool(max_rel <= rtol), "max_abs_error": max_abs, "max_rel_error": max_rel}
+    res = {"outputs_match": bool(max_rel <= rtol), "max_abs_error": max_abs, "max_rel_error": max_rel}
+    if odd:   # the errors are infinite (null in JSON): say why
+        res["note"] = (f"{odd} output element{'s are' if odd != 1 else ' is'} NaN or infinite in one result and "
+                       "not the same in the other")
+    return res
 
 
 # ---- 8-bit outputs: compared in LSBs ----------------------------------------------------------
@@ -317,7 +344,7 @@ def run_tensors(model_bytes: bytes, feeds: dict, tensors: dict[str, tuple[np.dty
     sess = _session(expose(model_bytes, tensors, fed), optimize)
     given = {**feeds, **fed}
     outs = dict(zip([o.name for o in sess.get_outputs()],
-                    sess.run(None, {i.name: given[i.name] for i in sess.get_inputs()})))
+                    run_session(sess, {i.name: given[i.name] for i in sess.get_inputs()})))
     return {t: np.asarray(outs[t + "__td_layer" * (t in fed)]) for t in tensors}
 
 

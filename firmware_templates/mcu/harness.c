@@ -11,16 +11,20 @@
  *                      TD_DB_SUBTRACT_128, each byte is taken as uint8 and stored as int8 v - 128)
  *   db print%          m-buffer-<hex> lines (32 bytes each) of the input buffer
  *   infer N W%         m-warmup-start-W, m-warmup-done, m-infer-start-N, m-lap-us-<t0>,
- *                      m-lap-us-<t1>, m-infer-done, m-results-[...]
+ *                      m-lap-us-<t1>, m-infer-done, m-results-[...]; 1 <= N <= TD_INFER_MAX and
+ *                      W <= TD_INFER_MAX (a device busy for 2^32 runs would be deaf until reset)
  *   results%           m-results-[...] of the last inference (%0.3f for float outputs)
  * Extensions:
  *   bload N CRC%       binary load: m-bload-ready-N, then exactly N raw bytes whose CRC-32
  *                      (IEEE, as zlib.crc32) is CRC in hex; m-load-done or e-[crc ...]. A pause
- *                      of more than TD_BULK_TIMEOUT_MS between bytes aborts it with e-[timeout ...].
+ *                      of more than TD_BULK_TIMEOUT_MS between bytes aborts it with e-[timeout ...];
+ *                      its m-ready follows once the rest of the announced bytes has arrived or the
+ *                      line has been quiet for TD_BULK_TIMEOUT_MS again: late bytes of the load are
+ *                      discarded, never run as commands.
  *   rawout%            m-rawout-bytes-N, then m-raw-<hex> lines (32 bytes each): every output
  *                      tensor's bytes, back to back, exactly as td_output(i) holds them
  *   ticks%             m-ticks-total-T-runs-N-min-A-max-B-hz-H: port ticks per timed run of the
- *                      last infer command (sum over its N runs, fastest, slowest), then
+ *                      last infer command (sum over its N runs in 64 bits, fastest, slowest), then
  *                      m-count-total-C-min-X-max-Y-unit-[U]: the port's work counter around
  *                      td_run() alone (U: instructions under QEMU -icount shift=0, exact;
  *                      cycles on the nRF52840; ticks where nothing better exists)
@@ -55,6 +59,10 @@
 #endif
 #ifndef TD_BULK_TIMEOUT_MS
 #define TD_BULK_TIMEOUT_MS 2000u
+#endif
+
+#ifndef TD_INFER_MAX
+#define TD_INFER_MAX 1000000u
 #endif
 
 #define TD_CMD_MAX 80
@@ -145,8 +153,8 @@ static int cmd_too_long, cmd_bad_byte;
 
 static uint32_t db_expect, db_have;   /* db load in progress when db_expect > 0 */
 static int have_results;
-static uint32_t last_ticks, last_runs, last_min, last_max;
-static uint64_t last_count;
+static uint32_t last_runs, last_min, last_max;
+static uint64_t last_ticks, last_count;
 static uint32_t last_count_min, last_count_max;
 
 /* ---- output ------------------------------------------------------------------------------ */
@@ -438,10 +446,15 @@ static void print_results(void)
 
 static void cmd_infer(char **tok, int n)
 {
-    uint32_t runs = 1, warm = 0, i, t0, dt, total = 0, lo = 0xFFFFFFFFu, hi = 0, c, clo = 0xFFFFFFFFu, chi = 0;
-    uint64_t ctotal = 0;
-    if (n > 3 || (n >= 2 && !parse_u32(tok[1], &runs)) || (n == 3 && !parse_u32(tok[2], &warm)) || runs == 0) {
-        error("usage: infer N W (N >= 1 timed runs after W warm-up runs)");
+    uint32_t runs = 1, warm = 0, i, t0, dt, lo = 0xFFFFFFFFu, hi = 0, c, clo = 0xFFFFFFFFu, chi = 0;
+    uint64_t total = 0, ctotal = 0;   /* 64 bits: a 16 MHz tick counter's 32-bit sum wraps after 268 s */
+    if (n > 3 || (n >= 2 && !parse_u32(tok[1], &runs)) || (n == 3 && !parse_u32(tok[2], &warm)) || runs == 0 ||
+        runs > TD_INFER_MAX || warm > TD_INFER_MAX) {
+        put("e-[usage: infer N W (1 <= N <= ");
+        put_u32(TD_INFER_MAX);
+        put(" timed runs after W <= ");
+        put_u32(TD_INFER_MAX);
+        line(" warm-up runs)]");
         return;
     }
     if (db_expect) {
@@ -545,10 +558,30 @@ static void cmd_db(char **tok, int n)
     }
 }
 
+static uint32_t bulk_limit_ticks(void)
+{
+    return (uint32_t)((uint64_t)port_tick_hz() * TD_BULK_TIMEOUT_MS / 1000u);
+}
+
+/* After a timed-out bulk load: discards the late bytes of the load, up to the `left` still
+ * announced, until the line has been quiet for TD_BULK_TIMEOUT_MS, so that none of them is
+ * taken for a command. */
+static void bulk_discard(uint32_t left)
+{
+    const uint32_t limit = bulk_limit_ticks();
+    uint32_t last = port_ticks();
+    while (left && port_ticks() - last <= limit) {
+        if (port_getc() >= 0) {
+            --left;
+            last = port_ticks();
+        }
+    }
+}
+
 /* Reads exactly n raw bytes into the input buffer; 0 on success, else the bytes received. */
 static int bulk_read(uint32_t n, uint32_t *got, uint32_t *crc)
 {
-    const uint32_t limit = (uint32_t)((uint64_t)port_tick_hz() * TD_BULK_TIMEOUT_MS / 1000u);
+    const uint32_t limit = bulk_limit_ticks();
     uint32_t i, last = port_ticks();
     uint32_t c = 0xFFFFFFFFu;
     for (i = 0; i < n;) {
@@ -592,6 +625,7 @@ static void cmd_bload(char **tok, int n)
         put(" of ");
         put_u32(want);
         line(" bytes]");
+        bulk_discard(want - got);   /* m-ready follows once the late bytes are gone */
         return;
     }
     if (have_crc != crc) {
@@ -836,7 +870,7 @@ static void execute(void)
         cmd_rawout();
     } else if (!strcmp(tok[0], "ticks") && n == 1) {
         put("m-ticks-total-");
-        put_u32(last_ticks);
+        put_u64(last_ticks);
         put("-runs-");
         put_u32(last_runs);
         put("-min-");

@@ -3,13 +3,13 @@ both on N with --threads N), measured in the same run on the same inputs, and th
 shared, so only the ratio between peers measured together means much."""
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from tinydeploy import flow, reference, runners
+from tinydeploy.commands.common import print_json
 from tinydeploy.runners.harness import runs_within, time_runs
 
 
@@ -47,7 +47,7 @@ def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=No
                      **{k: r["memory"][k] for k in ("arena_bytes", "lower_bound_bytes", "flash_bytes", "ram_bytes",
                                                     "flash_limit_bytes", "ram_limit_bytes")}})
     if as_json:
-        print(json.dumps(rows))
+        print_json(rows)
         return rows
     print(f"{'model':<28} {'instructions':>13} {'MACs/instr':>10} {'arena B':>9} {'flash B':>10} {'RAM B':>9}  match")
     for r in rows:
@@ -82,7 +82,7 @@ def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json:
                      "gflops": 2 * macs / (ours * 1e6) if ours else None, "macs": macs,
                      "arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"]})
     if as_json:
-        print(json.dumps(rows))
+        print_json(rows)
         return rows
     each = f"{threads} thread{'s' if threads > 1 else ''} each"
     print(f"{'model':<28} {'tinydeploy ms':>13} {'onnxruntime ms':>14} {'ratio':>7} {'GFLOP/s':>8} {'arena B':>10}"
@@ -135,7 +135,7 @@ def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, a
                         "total_us": total_us, "layers_us_sum": layer_sum, "macs": macs,
                         "gflops": 2 * macs / (total_us * 1e3) if total_us > 0 else None, "layers": rows})
     if as_json:
-        print(json.dumps(results))
+        print_json(results)
         return results
     for r in results:
         print(f"{r['model']} on {r['board']}{' (EMULATED: qemu-aarch64 times, not the board)' if r['emulated'] else ''}"

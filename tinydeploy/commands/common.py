@@ -4,6 +4,8 @@ forms of build summaries and run reports. Every verb is one module in tinydeploy
 from __future__ import annotations
 
 import argparse
+import json
+import math
 from dataclasses import dataclass
 
 from tinydeploy.codegen.cfmt import printable  # model file names reach the terminal only through it
@@ -56,6 +58,22 @@ def inputs(p: argparse.ArgumentParser) -> None:
 
 def json_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def json_safe(obj):
+    """`obj` with every infinity and NaN made null: JSON has neither (Python's json would write
+    Infinity and NaN, which other parsers refuse)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def print_json(obj) -> None:
+    print(json.dumps(json_safe(obj), allow_nan=False))
 
 
 def print_run(res: dict) -> None:

@@ -25,8 +25,7 @@ def deploy(model, board_id: str, ssh: str, port: int | None = None, identity: st
     if not board.is_linux:
         raise TinydeployError(f"deploy runs Linux boards over ssh; {board_id} is a microcontroller (flash it: "
                               f"`tinydeploy flash --board {board_id}`)")
-    if runs is not None and not 1 <= runs <= 100000:
-        raise TinydeployError("--runs must be 1..100000")
+    flow.check_runs(runs)
     log = (lambda m: None) if quiet else flow.progress
     remote = Remote(ssh, port, identity, options=ssh_options)
     log(f"checking {remote.target}")
@@ -64,10 +63,9 @@ def add_parser(sub) -> None:
 
 
 def main(args, ctx) -> int:
-    import json
-    from tinydeploy.commands.common import print_run
+    from tinydeploy.commands.common import print_json, print_run
     res = deploy(args.model, args.board, args.ssh, args.port, args.identity, args.remote_dir, args.runs,
                  args.inputs, args.seed, ctx.shapes, args.outdir, args.force, ctx.command, quiet=args.json,
                  ssh_options=args.ssh_option, threads=args.threads, max_weights_bytes=ctx.max_weights_bytes)
-    print(json.dumps(res)) if args.json else print_run(res)
+    print_json(res) if args.json else print_run(res)
     return 0 if res["outputs_match"] else 1

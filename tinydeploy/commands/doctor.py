@@ -1,9 +1,7 @@
 """`tinydeploy doctor`: the versions and CPU features a bug report needs (tinydeploy/doctor.py)."""
 from __future__ import annotations
 
-import json
-
-from tinydeploy.commands.common import Context
+from tinydeploy.commands.common import Context, print_json
 
 
 def add_parser(sub) -> None:
@@ -15,5 +13,5 @@ def add_parser(sub) -> None:
 def main(args, ctx: Context) -> int:
     from tinydeploy import doctor
     r = doctor.report()
-    print(json.dumps(r)) if args.json else print("\n".join(doctor.format_report(r)))
+    print_json(r) if args.json else print("\n".join(doctor.format_report(r)))
     return 0

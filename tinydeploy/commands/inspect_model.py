@@ -8,11 +8,13 @@ import numpy as np
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.frontend.importer import import_model
 from tinydeploy.ops import REGISTRY, unsupported_nodes
+from tinydeploy.ops.verify import verify_graph
 from tinydeploy.quant.qdq import quantize_qdq
 
 
 def inspect_model(path, input_shapes=None, max_weights_bytes=None) -> str:
     g, _ = import_model(path, input_shapes, max_weights_bytes)
+    verify_graph(g)   # a malformed model is an error, as in build
     quantize_qdq(g)   # a no-op for float models
     bad = {id(n): why for n, why in unsupported_nodes(g)}
     rows = [("#", "op", "name", "output shape", "MACs", "params", "status")]

@@ -2,10 +2,8 @@
 boards on this machine, with --energy from a Jetson's power rails."""
 from __future__ import annotations
 
-import json
-
 from tinydeploy import flow
-from tinydeploy.commands.common import Context, json_option, model_options, print_run
+from tinydeploy.commands.common import Context, json_option, model_options, print_json, print_run
 
 
 def add_parser(sub) -> None:
@@ -31,5 +29,5 @@ def main(args, ctx: Context) -> int:
                        args.force, ctx.command, quiet=args.json, runs=args.runs, timeout=args.timeout,
                        energy=args.energy, sysfs_root=args.sysfs_root, emulate=args.emulate,
                        max_weights_bytes=ctx.max_weights_bytes)
-    print(json.dumps(res)) if args.json else print_run(res)
+    print_json(res) if args.json else print_run(res)
     return 0 if res["outputs_match"] else 1

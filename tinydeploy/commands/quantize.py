@@ -2,11 +2,10 @@
 with an accuracy report (tinydeploy/frontend/quantize.py)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tinydeploy.codegen.cfmt import printable
-from tinydeploy.commands.common import Context, max_weights
+from tinydeploy.commands.common import Context, max_weights, print_json
 from tinydeploy.errors import TinydeployError
 
 
@@ -32,5 +31,5 @@ def main(args, ctx: Context) -> int:
                               "your files)")
     r = q.quantize(args.model, args.calibration, out, args.activations, args.weights, args.per_channel,
                    args.method, args.format, quiet=args.json, max_weights_bytes=ctx.max_weights_bytes)
-    print(json.dumps(r)) if args.json else q.print_report(r)
+    print_json(r) if args.json else q.print_report(r)
     return 0

@@ -2,10 +2,8 @@
 the references (tinydeploy.reference.check_outputs), time. Exit 0 match, 1 mismatch."""
 from __future__ import annotations
 
-import json
-
 from tinydeploy import flow
-from tinydeploy.commands.common import Context, inputs, json_option, model_options, optimize, print_run, threads
+from tinydeploy.commands.common import Context, inputs, json_option, model_options, optimize, print_json, print_run, threads
 
 
 def add_parser(sub) -> None:
@@ -22,5 +20,5 @@ def main(args, ctx: Context) -> int:
     res = flow.run(args.model, args.board, args.inputs, args.seed, ctx.shapes, args.outdir, args.force, ctx.command,
                    emulate=args.emulate, threads=args.threads, max_weights_bytes=ctx.max_weights_bytes,
                    optimize=args.optimize)
-    print(json.dumps(res)) if args.json else print_run(res)
+    print_json(res) if args.json else print_run(res)
     return 0 if res["outputs_match"] else 1

@@ -21,6 +21,7 @@ from onnx import numpy_helper, shape_inference, version_converter
 from tinydeploy import ir, limits
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.inputfiles import read_regular, regular_size
 from tinydeploy.ops import REGISTRY
 
 MIN_OPSET = 13          # older models are converted up to this
@@ -61,15 +62,13 @@ def parse_shape_overrides(specs: list[str] | None) -> dict[str, tuple[int, ...]]
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Read and parse an ONNX file; every failure becomes a one-line TinydeployError."""
     path = Path(path)
-    if not path.is_file():
-        raise TinydeployError(f"model file {printable(str(path))!r} does not exist or is not a file")
-    size = path.stat().st_size
+    size = regular_size(path, "model file")
     if size == 0:
         raise TinydeployError(f"model file {printable(str(path))!r} is empty")
     if size >= MAX_FILE_BYTES:
         raise TinydeployError(f"model file is {size} bytes; ONNX protobuf files must be < 2 GiB "
                               "(store large weights as external data)")
-    data = path.read_bytes()
+    data = read_regular(path, "model file", MAX_FILE_BYTES - 1)
     try:
         model = onnx.load_model_from_string(data)
     except Exception:  # protobuf raises DecodeError, RuntimeError or ValueError depending on backend
@@ -82,7 +81,44 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise TinydeployError(f"{printable(path.name)!r} is not an ONNX model (no graph); "
                               "is it truncated or of another format?")
     _load_external_data(model, path.parent)
+    _check_initializers(model)
     return model
+
+
+def _check_initializers(model: onnx.ModelProto) -> None:
+    """Every initializer holds exactly the values its dims call for (a longer or shorter one
+    would be cut or read past its end)."""
+    for t in model.graph.initializer:
+        where = f"initializer {printable(t.name, 80)!r}"
+        if any(d < 0 for d in t.dims):
+            raise TinydeployError(f"{where} has negative dimensions {list(t.dims)}")
+        n = math.prod(t.dims)
+        dt = None
+        try:
+            dt = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+        except Exception:
+            pass
+        whole_bytes = dt is not None and not any(k in dt.name for k in ("int4", "int2", "float4"))   # not packed
+        if t.HasField("raw_data") and whole_bytes:
+            if len(t.raw_data) != n * dt.itemsize:
+                raise TinydeployError(f"{where} holds {len(t.raw_data)} bytes of data where its dims "
+                                      f"{'x'.join(map(str, t.dims)) or '(scalar)'} need {n * dt.itemsize} "
+                                      f"({n} x {dt.name}); the model is malformed")
+            continue
+        try:
+            numpy_helper.to_array(t)
+        except Exception as e:
+            raise TinydeployError(f"{where} cannot be read as {'x'.join(map(str, t.dims)) or 'a scalar'} of "
+                                  f"element type {t.data_type}: {printable(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)}; "
+                                  "the model is malformed") from None
+
+
+def _external_number(t: onnx.TensorProto, info: dict, key: str) -> int:
+    text = info.get(key, "") or "0"
+    if not text.isdigit() or len(text) > 18:
+        raise TinydeployError(f"initializer {printable(t.name, 80)!r}: external data {key} {printable(text, 30)!r} is "
+                              "not a whole number of bytes; the model is malformed")
+    return int(text)
 
 
 def _load_external_data(model: onnx.ModelProto, base: Path) -> None:
@@ -93,14 +129,20 @@ def _load_external_data(model: onnx.ModelProto, base: Path) -> None:
             continue
         info = {e.key: e.value for e in t.external_data}
         loc = info.get("location", "")
-        target = (base / loc).resolve()
-        if not loc or os.path.isabs(loc) or not target.is_relative_to(base):
+        if not loc or "\0" in loc:
+            raise TinydeployError(f"initializer {printable(t.name)!r} points to external data {printable(loc)!r}, "
+                                  "which is no file name; the model is malformed")
+        try:
+            target = (base / loc).resolve()
+        except (OSError, RuntimeError):   # a loop of symbolic links
+            target = Path("/")
+        if os.path.isabs(loc) or not target.is_relative_to(base):
             raise TinydeployError(f"initializer {printable(t.name)!r} points to external data "
                                   f"{printable(loc)!r} outside the model's folder; refusing to read it")
         if not target.is_file():
             raise TinydeployError(f"external data file {printable(loc)!r} for initializer "
                                   f"{printable(t.name)!r} is missing next to the model")
-        end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        end = _external_number(t, info, "offset") + _external_number(t, info, "length")
         if end > target.stat().st_size:
             raise TinydeployError(f"external data for {printable(t.name)!r} runs past the end of "
                                   f"{printable(loc)!r}; the data file is truncated")
@@ -144,9 +186,37 @@ def _channel_slopes_of_opset6(model: onnx.ModelProto) -> None:
         n.input[1] = name
 
 
+# Operators in a pre-opset-7 form (the schema the model's opset selects) that onnxruntime, the
+# reference, has no kernel for (measured with onnxruntime 1.32: it answers NOT_IMPLEMENTED). The
+# converter would turn them into opset 13, but the result could never be held to account.
+_NO_REFERENCE_BEFORE_7 = {
+    "Add": (1, 6), "Sub": (1, 6), "Mul": (1, 6), "Div": (1, 6), "Pow": (1,), "Sum": (1,), "Max": (1,),
+    "Min": (1,), "Relu": (1,), "Sigmoid": (1,), "Tanh": (1,), "Exp": (1,), "Log": (1,), "Abs": (1,),
+    "PRelu": (1, 6), "Clip": (1,), "Dropout": (1, 6), "Concat": (1,), "AveragePool": (1,), "Gemm": (1,),
+    "BatchNormalization": (1, 6), "Pad": (1,),
+}
+
+
+def _old_forms_without_reference(model: onnx.ModelProto, v: int) -> None:
+    found: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.domain in ("", "ai.onnx") and n.op_type in _NO_REFERENCE_BEFORE_7:
+            try:
+                since = onnx.defs.get_schema(n.op_type, v).since_version
+            except Exception:
+                continue
+            if since in _NO_REFERENCE_BEFORE_7[n.op_type]:
+                found.setdefault(n.op_type, since)
+    if found:
+        ops = ", ".join(f"{op} (version {since})" for op, since in sorted(found.items()))
+        raise TinydeployError(f"model uses opset {v}, and onnxruntime, the reference, implements none of its "
+                              f"{ops}; export the model with opset 7 or later (13 or later is best)")
+
+
 def _normalise_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     v = _opset(model)
     if v < 7:
+        _old_forms_without_reference(model, v)
         _channel_slopes_of_opset6(model)
     if v < MIN_OPSET:
         try:
@@ -193,7 +263,7 @@ def _pin_input_shapes(model: onnx.ModelProto, overrides: dict[str, tuple[int, ..
                 d.dim_value = v
             continue
         for axis, d in enumerate(dims):
-            if d.HasField("dim_value") and d.dim_value > 0:
+            if d.HasField("dim_value"):   # fixed, even 0 (the verifier refuses empty tensors)
                 continue
             sym = d.dim_param or "?"
             if axis == 0:
@@ -214,12 +284,42 @@ def _pin_input_shapes(model: onnx.ModelProto, overrides: dict[str, tuple[int, ..
     del model.graph.value_info[:]
 
 
+def _declared_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """The intermediate shapes the model states (value_info; static dims, None where symbolic)."""
+    out = {}
+    for vi in model.graph.value_info:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            out[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+    return out
+
+
+def _refuse_contradicted_shapes(declared: dict[str, list[int | None]], inferred: dict) -> None:
+    """A model whose stated intermediate shapes contradict what its inputs and attributes make is
+    invalid (onnx's strict shape inference says so; onnxruntime plans its buffers by the stated
+    shapes and fails). The import re-derives those shapes, so it checks them first."""
+    bad = []
+    for name, dims in declared.items():
+        got = inferred.get(name, (None, 0))[0]
+        if got is None:
+            continue
+        if len(got) != len(dims) or any(d is not None and d != g for d, g in zip(dims, got)):
+            bad.append(f"{printable(name, 60)!r} is stated as {'x'.join('?' if d is None else str(d) for d in dims)} "
+                       f"but its inputs make it {'x'.join(map(str, got))}")
+    if bad:
+        raise TinydeployError(f"the model's stated shapes contradict its operators ({len(bad)} tensor"
+                              f"{'s' * (len(bad) != 1)}): " + "; ".join(bad[:4])
+                              + (f"; and {len(bad) - 4} more" if len(bad) > 4 else ""))
+
+
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as e:
         msg = str(e).strip().splitlines()
-        raise TinydeployError("onnx shape inference failed: " + printable(msg[-1] if msg else type(e).__name__)[:300]) from None
+        text = msg[-1] if msg else type(e).__name__
+        for noise in ("[ShapeInferenceError] ", "[TypeInferenceError] ", "Inference error(s): "):
+            text = text.replace(noise, "")   # room for what onnx found, and where
+        raise TinydeployError("onnx shape inference failed: " + printable(text, 300)) from None
 
 
 def _shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple | None, int]]:
@@ -235,6 +335,16 @@ def _shapes(model: onnx.ModelProto) -> dict[str, tuple[tuple | None, int]]:
             shape = tuple(dims) if all(d >= 0 for d in dims) else None
         out[vi.name] = (shape, tt.elem_type)
     return out
+
+
+def _negative_dims(g: onnx.GraphProto, name: str) -> str | None:
+    """'1x2x-2x-2' when shape inference gave tensor `name` a negative dimension, else None."""
+    for vi in list(g.value_info) + list(g.output):
+        if vi.name == name and vi.type.HasField("tensor_type"):
+            dims = vi.type.tensor_type.shape.dim
+            if any(d.HasField("dim_value") and d.dim_value < 0 for d in dims):
+                return "x".join(str(d.dim_value) if d.HasField("dim_value") else "?" for d in dims)
+    return None
 
 
 def _itemsize(elem_type: int) -> int:
@@ -432,9 +542,11 @@ def import_model(path, input_shapes: dict[str, tuple[int, ...]] | None = None,
         raise TinydeployError("the ONNX checker rejected the model: " + printable(msg[0] if msg else "")[:300]) from None
     notes: list[str] = []
     model = _normalise_opset(model)
+    declared = {} if input_shapes else _declared_shapes(model)
     _pin_input_shapes(model, input_shapes or {}, notes)
     _drop_padding_only_ceil_windows(model)
     model = _infer(model)
+    _refuse_contradicted_shapes(declared, _shapes(model))
     file_bytes = Path(path).stat().st_size
     tally = limits.Tally(budget, sum(_initializer_bytes(t) for t in model.graph.initializer))
     start = tally.used
@@ -490,6 +602,11 @@ def _to_ir(model: onnx.ModelProto, notes: list[str]) -> ir.Graph:
             shape, et = shapes.get(name, (None, 0))
             if shape is None or et == 0:
                 _raise_if_unknown_ops(g, shapes)
+                negative = _negative_dims(g, name)
+                if negative:
+                    raise TinydeployError(f"onnx shape inference gives tensor {printable(name)!r} (at node "
+                                          f"{printable(node.name)!r}, {node.op_type}) the shape {negative}: the "
+                                          "node's attributes do not fit the shapes of its inputs")
                 raise TinydeployError(f"the shape of tensor {printable(name)!r} (at node {printable(node.name)!r}, "
                                       f"{node.op_type}) is not static after shape inference; pin the inputs "
                                       "with --input-shape or simplify the model")
@@ -501,18 +618,16 @@ def _to_ir(model: onnx.ModelProto, notes: list[str]) -> ir.Graph:
                 raise TinydeployError(f"graph input/output {printable(name)!r} has no static shape")
             tensors[name] = ir.Tensor(name, tuple(shape), _np_dtype(et))
     nodes = []
+    named = {n.name for n in g.node if n.name}
     for k, n in enumerate(g.node):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
-        attrs = {k2: (v.decode() if isinstance(v, bytes) else v) for k2, v in attrs.items()}
+        attrs = {k2: (v.decode("utf-8", "replace") if isinstance(v, bytes) else v) for k2, v in attrs.items()}
         op = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}:{n.op_type}"
-        nodes.append(ir.Node(op, n.name or f"{n.op_type}_{k}", list(n.input), list(n.output), attrs))
-    for n in nodes:
-        # views (the registry's view=True: Reshape, Flatten, ...) keep the element count
-        if n.op in REGISTRY and REGISTRY[n.op].view and n.inputs and n.inputs[0] and n.outputs:
-            src, dst = tensors[n.inputs[0]], tensors[n.outputs[0]]
-            if src.size != dst.size:
-                raise TinydeployError(
-                    f"{n.op} {printable(n.name)!r} turns {src.size} elements ({'x'.join(map(str, src.shape))}) into "
-                    f"{dst.size} ({'x'.join(map(str, dst.shape))}); the model is malformed")
-    graph = ir.Graph(tensors, nodes, inputs, [o.name for o in g.output], notes)
-    return graph
+        name = n.name
+        if not name:   # a name of its own, which no named node has (the verifier holds names unique)
+            name, i = f"{n.op_type}_{k}", 1
+            while name in named:
+                name, i = f"{n.op_type}_{k}_{i}", i + 1
+            named.add(name)
+        nodes.append(ir.Node(op, name, list(n.input), list(n.output), attrs))
+    return ir.Graph(tensors, nodes, inputs, [o.name for o in g.output], notes)

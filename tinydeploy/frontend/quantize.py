@@ -6,6 +6,7 @@ only reads calibration data safely, holds some of it out, and measures what quan
 """
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 
 from tinydeploy.codegen.cfmt import printable
 from tinydeploy.errors import TinydeployError
+from tinydeploy.inputfiles import regular_size
 
 METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile"}
 
@@ -29,16 +31,15 @@ def load_calibration(data, specs) -> list[dict[str, np.ndarray]]:
     folder of them (sorted by name). An array may hold one sample (the input's shape) or many
     (a leading sample axis). Shapes and dtypes are checked against the model."""
     path = Path(data)
-    if path.is_dir():
+    if os.path.isdir(path):
         files = sorted(p for p in path.iterdir() if p.suffix in (".npz", ".npy"))
         if not files:
             raise TinydeployError(f"calibration folder {printable(str(path))!r} has no .npz or .npy files")
-    elif path.is_file():
-        files = [path]
     else:
-        raise TinydeployError(f"calibration data {printable(str(path))!r} does not exist")
+        files = [path]
     samples = []
     for f in files:
+        regular_size(f, "calibration file")   # a FIFO or a device is refused, not waited on
         try:
             loaded = np.load(f, allow_pickle=False)
             arrays = dict(loaded.items()) if hasattr(loaded, "items") else None

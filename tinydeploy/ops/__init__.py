@@ -1,6 +1,7 @@
 """Operator registry: what each ONNX operator needs to be checked, counted and emitted.
 
 One module per operator family. Each registers an `OpDef` per ONNX op type it handles:
+  verify(node, g) -> why the node is not valid ONNX (ops/verify.py runs them all before compiling)
   check(node, g)  -> None when supported, else the reason (listed to the user with the node name)
   emit(node, g)   -> a `Kernel`: which kernel template family to instantiate, its compile-time
                      parameters, and the tensors passed to it (inputs first, then outputs)

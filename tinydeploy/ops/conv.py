@@ -6,8 +6,9 @@ import numpy as np
 from tinydeploy import ir
 from tinydeploy.ops.elementwise import epilogue
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, window_2d
+from tinydeploy.ops.verify import ints, shape, window_problems
 from tinydeploy.quant.params import (QTYPES, QCtx, QInfo, add_const, add_multipliers, bias_acc, channel_params,
-                                     fit_int32, weights_minus_zp)
+                                     exact_ratios, fit_int32, weights_minus_zp)
 
 
 def conv_geometry(node: ir.Node, g: ir.Graph) -> dict:
@@ -29,6 +30,32 @@ def _check(node, g):
     if len(node.inputs) > 2 and node.inputs[2] and g.const(node.inputs[2]) is None:
         return "non-constant bias"
     return float_only(node, g)
+
+
+def verify_conv(node, g) -> list[str]:
+    """Weights [M, C/group, k...], group >= 1 dividing C and M, kernel_shape equal to the weights'
+    (onnxruntime refuses anything else), bias [M], and the window's own rules."""
+    x, w, b = shape(g, node.inputs[0]), shape(g, node.inputs[1]), shape(g, node.inputs[2] if len(node.inputs) > 2 else "")
+    if x is None or w is None or len(x) < 3:
+        return [f"input of rank {len(x) if x is not None else '?'}"]
+    if len(w) != len(x):
+        return [f"weights of rank {len(w)} for an input of rank {len(x)}"]
+    out = []
+    group = int(node.attrs.get("group", 1))
+    c, m = x[1], w[0]
+    if group < 1:
+        out.append(f"group {group} must be >= 1")
+    elif c % group or w[1] * group != c:
+        out.append(f"group {group} and weights {'x'.join(map(str, w))} do not fit the {c} input channels "
+                   f"(weights' second dimension x group = {w[1] * group})")
+    elif m % group:
+        out.append(f"group {group} does not divide the {m} output channels")
+    kernel = ints(node, "kernel_shape", list(w[2:]))
+    if kernel != list(w[2:]):
+        out.append(f"kernel_shape {kernel} differs from the weights' {list(w[2:])}")
+    if b is not None and b != (m,):
+        out.append(f"bias of shape {'x'.join(map(str, b))}; the {m} output channels need {m}")
+    return out + window_problems(node, g, list(w[2:]), pool=False)
 
 
 def conv_macs(node, g):
@@ -55,7 +82,9 @@ def qdq_conv(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | No
     sw, zw = ch
     acc_scale = (x.s * sw).astype(np.float32)                # float32, as onnxruntime computes it
     r = (acc_scale / yq.s).astype(np.float32)
-    bias = bias_acc(g, ctx, p.inputs[2] if len(p.inputs) > 2 else "", n_out, acc_scale)
+    if not exact_ratios(r):
+        return None
+    bias = bias_acc(g, ctx, p.inputs[2] if len(p.inputs) > 2 else "", n_out, acc_scale, r=r)
     if bias is None:
         return None
     bshape = (-1,) + (1,) * (wdata.ndim - 1)
@@ -79,7 +108,7 @@ def qdq_conv(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | No
     return ir.Node("QConv", p.name, [x.src, wname, bname, mname, sname], [yq.src], attrs, onnx_op=p.onnx_op)
 
 
-@register("Conv", check=_check, macs=conv_macs, epilogue=True, qdq=qdq_conv)
+@register("Conv", check=_check, verify=verify_conv, macs=conv_macs, epilogue=True, qdq=qdq_conv)
 def emit_conv(node: ir.Node, g: ir.Graph) -> Kernel:
     p = conv_geometry(node, g)
     has_bias = len(node.inputs) > 2 and bool(node.inputs[2])

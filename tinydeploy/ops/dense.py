@@ -8,8 +8,9 @@ import numpy as np
 from tinydeploy import ir
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, new_const, register, register_qdq
 from tinydeploy.quant.params import (QTYPES, QCtx, QInfo, add_const, add_multipliers, bias_acc, channel_params,
-                                     fit_int32, sole_use, weights_minus_zp)
+                                     exact_ratios, fit_int32, sole_use, weights_minus_zp)
 from tinydeploy.ops.elementwise import broadcast_loops, epilogue
+from tinydeploy.ops.verify import shape
 
 
 def _gemm_check(node, g):
@@ -21,6 +22,25 @@ def _gemm_check(node, g):
     if len(node.inputs) > 2 and node.inputs[2] and g.const(node.inputs[2]) is None:
         return "non-constant C"
     return float_only(node, g)
+
+
+def verify_gemm(node, g) -> list[str]:
+    """A and B matrices whose inner dimensions agree; C broadcastable to the [M, N] result."""
+    a, b = shape(g, node.inputs[0]), shape(g, node.inputs[1])
+    c = shape(g, node.inputs[2]) if len(node.inputs) > 2 else None
+    if a is None or b is None or len(a) != 2 or len(b) != 2:
+        return [f"A and B must be matrices (ranks {len(a) if a else '?'} and {len(b) if b else '?'})"]
+    (m, ka), (kb, n) = a[::-1] if node.attrs.get("transA", 0) else a, b[::-1] if node.attrs.get("transB", 0) else b
+    if ka != kb:
+        return [f"A is {m}x{ka} and B is {kb}x{n} after transposition: the inner dimensions differ"]
+    if c is not None:
+        try:
+            np.broadcast_shapes(tuple(c), (m, n))
+            if len(c) > 2 or np.broadcast_shapes(tuple(c), (m, n)) != (m, n):
+                raise ValueError
+        except ValueError:
+            return [f"C of shape {'x'.join(map(str, c))} does not broadcast to the {m}x{n} result"]
+    return []
 
 
 def _gemm_macs(node, g):
@@ -86,11 +106,13 @@ def qdq_dense(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int, bias_name: str
     if alpha != 1.0:
         r = (r * np.float32(alpha)).astype(np.float32)
         acc_scale = (acc_scale * np.float32(alpha)).astype(np.float32)
+    if not exact_ratios(r):
+        return None
     if bias_name:
         bt = g.t(bias_name)
         if bt.size != n_out and bt.size != 1:
             return None
-    bias = bias_acc(g, ctx, bias_name, n_out, acc_scale, beta)
+    bias = bias_acc(g, ctx, bias_name, n_out, acc_scale, beta, r=r)
     if bias is None:
         return None
     wq = weights_minus_zp(np.ascontiguousarray(w_nk), zw, (-1, 1))
@@ -122,7 +144,7 @@ def qdq_matmul_add(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int):
     return None
 
 
-@register("Gemm", check=_gemm_check, macs=_gemm_macs, epilogue=True, qdq=qdq_dense)
+@register("Gemm", check=_gemm_check, verify=verify_gemm, macs=_gemm_macs, epilogue=True, qdq=qdq_dense)
 def emit_gemm(node: ir.Node, g: ir.Graph) -> Kernel:
     a = node.attrs
     alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))

@@ -8,7 +8,7 @@ from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float
 from tinydeploy.ir.activation import FUSABLE_ONNX, LINEAR, Activation
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
-from tinydeploy.quant.params import QCtx, QInfo, add_multiplier_pair
+from tinydeploy.quant.params import QCtx, QInfo, add_multiplier_pair, exact_ratios
 
 
 def _f(x) -> str:
@@ -132,6 +132,10 @@ def _binary_check(node, g):
     n = len([i for i in node.inputs if i])
     if n != 2 and not (node.op in VARIADIC and n >= 1):
         return f"{len(node.inputs)} inputs (expected 2)"
+    for name in node.inputs:   # constants too: Pow's exponent may have a type of its own
+        t = g.tensors.get(name) if name else None
+        if t is not None and t.is_const and np.dtype(t.dtype) != np.float32:
+            return f"{np.dtype(t.dtype).name} constant input (the kernel computes in float32)"
     return float_only(node, g)
 
 
@@ -145,6 +149,8 @@ def qdq_add(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | Non
         return None
     ra = float(np.float32(a.s) / np.float32(yq.s))
     rb = float(np.float32(b.s) / np.float32(yq.s))
+    if not exact_ratios(ra, rb):
+        return None
     ma, mb, s = add_multiplier_pair(ra, rb)
     attrs = {"_q": {"za": a.z, "zb": b.z, "zy": yq.z, "ma": ma, "mb": mb, "s": s, "lo": lo, "hi": hi}}
     return ir.Node("QAdd", p.name, [a.src, b.src], [yq.src], attrs, onnx_op=p.onnx_op)

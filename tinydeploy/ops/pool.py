@@ -5,7 +5,8 @@ import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register, window_2d
-from tinydeploy.quant.params import QCtx, QInfo, quantize_multiplier
+from tinydeploy.ops.verify import ints, shape, window_problems
+from tinydeploy.quant.params import QCtx, QInfo, exact_ratios, quantize_multiplier
 
 
 def _geometry(node: ir.Node, g: ir.Graph) -> dict:
@@ -25,6 +26,22 @@ def _check(node, g):
         return ("ceil_mode=1 with a last window starting in the right padding on only some axes "
                 "(onnx shape inference keeps that window, onnxruntime drops it)")
     return float_only(node, g, [node.inputs[0], node.outputs[0]])
+
+
+def verify_pool(node, g) -> list[str]:
+    """kernel_shape given, flags 0 or 1, and the window's own rules (pads smaller than the kernel)."""
+    kernel = ints(node, "kernel_shape")
+    if kernel is None:
+        return ["no kernel_shape"]
+    out = [f"{k} {node.attrs[k]} must be 0 or 1" for k in ("ceil_mode", "count_include_pad", "storage_order")
+           if k in node.attrs and node.attrs[k] not in (0, 1)]
+    return out + window_problems(node, g, kernel, pool=True)
+
+
+def verify_global(node, g) -> list[str]:
+    x = shape(g, node.inputs[0])
+    return [] if x is not None and len(x) >= 3 else [f"input of rank {len(x) if x is not None else '?'} (needs N, C "
+                                                     "and at least one spatial axis)"]
 
 
 def _ceil_disagrees(node: ir.Node, g: ir.Graph) -> bool:
@@ -79,10 +96,14 @@ def qdq_pool(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | No
     if p.op in ("MaxPool", "AveragePool") and p.attrs.get("storage_order", 0):
         return None
     r = float(np.float32(x.s) / np.float32(yq.s))
+    if not exact_ratios(r):
+        return None
     q = {"zx": x.z, "zy": yq.z, "lo": lo, "hi": hi, "r": r, "xs": float(x.s), "ys": float(yq.s)}
     if p.op in ("AveragePool", "GlobalAveragePool"):
         xs = g.t(p.inputs[0]).shape
         window = int(np.prod(p.attrs["kernel_shape"])) if p.op == "AveragePool" else int(np.prod(xs[2:]))
+        if not exact_ratios(r / window):
+            return None
         # One multiplier per possible divisor (window clipped by the borders), r / count.
         q["table"] = [quantize_multiplier(float(np.float64(x.s) / np.float64(yq.s) / c)) if c else (0, 1)
                       for c in range(window + 1)]
@@ -94,8 +115,8 @@ def qdq_pool(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node | No
     return ir.Node("Q" + p.op, p.name, [x.src], [yq.src], attrs, onnx_op=p.onnx_op)
 
 
-register("MaxPool", check=_check, macs=pool_macs, qdq=qdq_pool)(_emit)
-register("AveragePool", check=_check, macs=pool_macs, qdq=qdq_pool)(_emit)
+register("MaxPool", check=_check, verify=verify_pool, macs=pool_macs, qdq=qdq_pool)(_emit)
+register("AveragePool", check=_check, verify=verify_pool, macs=pool_macs, qdq=qdq_pool)(_emit)
 
 
 def _global(node: ir.Node, g: ir.Graph) -> Kernel:
@@ -112,5 +133,5 @@ def _gcheck(node, g):
     return float_only(node, g)
 
 
-register("GlobalAveragePool", check=_gcheck, macs=lambda n, g: g.t(n.inputs[0]).size, qdq=qdq_pool)(_global)
-register("GlobalMaxPool", check=_gcheck, qdq=qdq_pool)(_global)
+register("GlobalAveragePool", check=_gcheck, verify=verify_global, macs=lambda n, g: g.t(n.inputs[0]).size, qdq=qdq_pool)(_global)
+register("GlobalMaxPool", check=_gcheck, verify=verify_global, qdq=qdq_pool)(_global)

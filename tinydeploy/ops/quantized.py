@@ -12,6 +12,7 @@ from tinydeploy.ops.registry import Kernel, dtype_tag, new_const, register
 from tinydeploy.ops.conv import conv_geometry, conv_macs
 from tinydeploy.ops.elementwise import broadcast_loops
 from tinydeploy.ops.pool import _geometry as pool_geometry, pool_macs
+from tinydeploy.ops.verify import axis_problem, scale_problems, shape
 from tinydeploy.quant.params import ties_possible
 
 QTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
@@ -219,7 +220,36 @@ def _dq_check(node: ir.Node, g: ir.Graph) -> str | None:
     return None
 
 
-@register("DequantizeLinear", check=_dq_check)
+def verify_qdq(node: ir.Node, g: ir.Graph) -> list[str]:
+    """QuantizeLinear / DequantizeLinear: constant scales positive, finite and normal; per-axis
+    parameters one per element of the axis; the zero point shaped like the scale (and 0 for int32
+    data, which has no zero point)."""
+    scale = g.const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else None
+    zname = node.inputs[2] if len(node.inputs) > 2 else ""
+    zp = g.const(zname)
+    x = shape(g, node.inputs[0])
+    out = scale_problems(scale, "scale") if scale is not None and scale.size else []
+    if node.attrs.get("block_size", 0) or x is None:
+        return out
+    s, z = shape(g, node.inputs[1]), shape(g, zname)
+    if z is not None and s is not None and z != s:
+        out.append(f"zero point of shape {list(z)} for a scale of shape {list(s)}")
+    if s is not None and int(np.prod(s, dtype=np.int64)) > 1 or (s is not None and len(s) == 1 and s != (1,)):
+        ax = int(node.attrs.get("axis", 1))
+        p = axis_problem(ax, len(x))
+        if p:
+            out.append(p)
+        elif len(s) != 1 or s[0] != x[ax]:
+            out.append(f"per-axis scale of shape {list(s)} for axis {ax} of size {x[ax]}")
+    elif s is not None and len(s) > 1:
+        out.append(f"scale of shape {list(s)}: a scalar or one value per element of the axis")
+    if node.op == "DequantizeLinear" and zp is not None and np.dtype(g.t(node.inputs[0]).dtype) == np.int32 \
+            and np.any(zp):
+        out.append("int32 data with a nonzero zero point (it must be 0)")
+    return out
+
+
+@register("DequantizeLinear", check=_dq_check, verify=verify_qdq)
 def emit_dequantize(node: ir.Node, g: ir.Graph) -> Kernel:
     info = _qdq_params(node, g)
     x = g.t(node.inputs[0])
@@ -246,7 +276,7 @@ def _q_check(node: ir.Node, g: ir.Graph) -> str | None:
     return None
 
 
-@register("QuantizeLinear", check=_q_check)
+@register("QuantizeLinear", check=_q_check, verify=verify_qdq)
 def emit_quantize(node: ir.Node, g: ir.Graph) -> Kernel:
     info = _qdq_params(node, g)
     y = g.t(node.outputs[0])

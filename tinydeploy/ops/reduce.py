@@ -10,6 +10,7 @@ from tinydeploy.codegen.cfmt import c_float
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, new_const, register
 from tinydeploy.quant.params import QCtx, QInfo, softmax_table
 from tinydeploy.ops.elementwise import broadcast_loops, epilogue
+from tinydeploy.ops.verify import axes_problems, axis_problem, shape
 
 
 def _axis(node, g, default):
@@ -42,7 +43,12 @@ def qdq_softmax(ctx: QCtx, p: ir.Node, yq: QInfo, lo: int, hi: int) -> ir.Node |
     return ir.Node("QSoftmax", p.name, [x.src], [yq.src], attrs, onnx_op=p.onnx_op)
 
 
-@register("Softmax", check=float_only, inplace=False, qdq=qdq_softmax)
+def _verify_softmax(node, g) -> list[str]:
+    p = axis_problem(int(node.attrs.get("axis", -1)), len(g.t(node.inputs[0]).shape))
+    return [p] if p else []
+
+
+@register("Softmax", check=float_only, verify=_verify_softmax, inplace=False, qdq=qdq_softmax)
 def emit_softmax(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     ax = _axis(node, g, -1)
@@ -71,6 +77,17 @@ def _reduce_axes(node, g) -> list[int] | None:
     return sorted(a + r if a < 0 else a for a in axes)
 
 
+def _verify_reduce(node, g) -> list[str]:
+    r = len(g.t(node.inputs[0]).shape)
+    if "axes" in node.attrs:
+        axes = [int(a) for a in node.attrs["axes"]]
+    elif len(node.inputs) > 1 and node.inputs[1] and g.const(node.inputs[1]) is not None:
+        axes = [int(v) for v in g.const(node.inputs[1]).reshape(-1)]
+    else:
+        return []
+    return axes_problems(axes, r)
+
+
 def _reduce_check(node, g):
     if _reduce_axes(node, g) is None:
         return "non-constant axes"
@@ -90,10 +107,26 @@ def _reduce_emit(node: ir.Node, g: ir.Graph) -> Kernel:
 
 
 for _op in REDUCE_OPS:
-    register(_op, check=_reduce_check)(_reduce_emit)
+    register(_op, check=_reduce_check, verify=_verify_reduce)(_reduce_emit)
 
 
-@register("LRN", check=float_only)
+def _verify_lrn(node, g) -> list[str]:
+    """onnxruntime's LRN: an odd size >= 1 and positive alpha, beta and bias (it refuses others)."""
+    a, out = node.attrs, []
+    size = int(a.get("size", 0))
+    if size < 1 or size % 2 == 0:
+        out.append(f"size {size} must be an odd number >= 1")
+    for k, default in (("alpha", 1e-4), ("beta", 0.75), ("bias", 1.0)):
+        v = float(a.get(k, default))
+        if not (math.isfinite(v) and v > 0):
+            out.append(f"{k} {v:g} must be a positive number")
+    x = shape(g, node.inputs[0])
+    if x is None or len(x) < 2:
+        out.append("input of rank < 2 (needs N and C)")
+    return out
+
+
+@register("LRN", check=float_only, verify=_verify_lrn)
 def emit_lrn(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     a = node.attrs
@@ -125,7 +158,16 @@ def channel_affine(node: ir.Node, g: ir.Graph, x: str, scale: np.ndarray, shift:
                   consts=consts)
 
 
-@register("BatchNormalization", check=_bn_check, inplace=True, epilogue=True)
+def _verify_bn(node, g) -> list[str]:
+    x = shape(g, node.inputs[0])
+    if x is None or len(x) < 2:
+        return ["input of rank < 2 (needs N and C)"]
+    bad = [f"{what} has shape {'x'.join(map(str, s))}" for what, i in (("scale", 1), ("B", 2), ("mean", 3), ("var", 4))
+           if len(node.inputs) > i and (s := shape(g, node.inputs[i])) is not None and s != (x[1],)]
+    return [f"{', '.join(bad)}; the {x[1]} channels need {x[1]} values each"] if bad else []
+
+
+@register("BatchNormalization", check=_bn_check, verify=_verify_bn, inplace=True, epilogue=True)
 def emit_bn(node: ir.Node, g: ir.Graph) -> Kernel:
     scale, bias, mean, var = (g.const(i).astype(np.float64) for i in node.inputs[1:5])
     s = scale / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))

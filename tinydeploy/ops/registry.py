@@ -1,6 +1,8 @@
 """The operator registry (its face is tinydeploy/ops/__init__.py): what each ONNX operator needs to be checked, counted and emitted.
 
 One module per operator family. Each registers an `OpDef` per ONNX op type it handles:
+  verify(node, g) -> the reasons the node is not valid ONNX (attributes against its inputs' shapes
+                     and types; ops/verify.py runs every operator's rules before anything else)
   check(node, g)  -> None when supported, else the reason (listed to the user with the node name)
   emit(node, g)   -> a `Kernel`: which kernel template family to instantiate, its compile-time
                      parameters, and the tensors passed to it (inputs first, then outputs)
@@ -84,6 +86,7 @@ class OpDef:
     op: str
     emit: Callable[[ir.Node, ir.Graph], Kernel | None]
     check: Callable[[ir.Node, ir.Graph], str | None] = lambda n, g: None
+    verify: Callable[[ir.Node, ir.Graph], list[str]] = lambda n, g: []
     macs: Callable[[ir.Node, ir.Graph], int] = lambda n, g: 0
     view: bool = False
     inplace: bool = False

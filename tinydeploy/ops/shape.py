@@ -8,14 +8,24 @@ from tinydeploy import ir
 from tinydeploy.codegen.cfmt import c_float
 from tinydeploy.ops.registry import Kernel, dtype_tag, float_only, register
 from tinydeploy.ops.elementwise import broadcast_loops
+from tinydeploy.ops.verify import axes_problems, axis_problem, input_axis, ints, shape
 
 
 def _any_dtype(node, g):
     return None
 
 
+def _verify_view(node, g) -> list[str]:
+    """A view keeps the element count (the output is the input's bytes under another shape)."""
+    x, y = shape(g, node.inputs[0]), shape(g, node.outputs[0])
+    if x is None or y is None or int(np.prod(x, dtype=np.int64)) == int(np.prod(y, dtype=np.int64)):
+        return []
+    return [f"turns {int(np.prod(x, dtype=np.int64))} elements ({'x'.join(map(str, x))}) into "
+            f"{int(np.prod(y, dtype=np.int64))} ({'x'.join(map(str, y))})"]
+
+
 for _op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
-    register(_op, view=True, check=_any_dtype, moves="first")(lambda node, g: None)
+    register(_op, view=True, check=_any_dtype, verify=_verify_view, moves="first")(lambda node, g: None)
 
 
 def _dropout_check(node, g):
@@ -65,7 +75,15 @@ def _contig_strides(shape) -> list[int]:
     return st[::-1]
 
 
-@register("Transpose", check=_any_dtype, moves="first")
+def _verify_transpose(node, g) -> list[str]:
+    r = len(g.t(node.inputs[0]).shape)
+    perm = ints(node, "perm", list(range(r - 1, -1, -1)))
+    if sorted(perm) != list(range(r)):
+        return [f"perm {perm} is not a permutation of the {r} axes"]
+    return []
+
+
+@register("Transpose", check=_any_dtype, verify=_verify_transpose, moves="first")
 def emit_transpose(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     perm = list(node.attrs.get("perm", range(len(x.shape) - 1, -1, -1)))
@@ -100,7 +118,27 @@ def _slice_check(node, g):
     return None
 
 
-@register("Slice", check=_slice_check, moves="first")
+def _verify_slice(node, g) -> list[str]:
+    r = len(g.t(node.inputs[0]).shape)
+    vals = [g.const(i) if i else None for i in node.inputs[1:5]] + [None] * (4 - len(node.inputs[1:5]))
+    starts, ends, axes, steps = (None if v is None else [int(x) for x in v.reshape(-1)] for v in vals)
+    out = []
+    if starts is not None and ends is not None and len(starts) != len(ends):
+        out.append(f"{len(starts)} starts and {len(ends)} ends")
+    n = len(starts) if starts is not None else None
+    if axes is not None:
+        out += axes_problems(axes, r)
+        if n is not None and len(axes) != n:
+            out.append(f"{len(axes)} axes for {n} starts")
+    if steps is not None:
+        if 0 in steps:
+            out.append(f"steps {steps} hold a 0")
+        if n is not None and len(steps) != n:
+            out.append(f"{len(steps)} steps for {n} starts")
+    return out
+
+
+@register("Slice", check=_slice_check, verify=_verify_slice, moves="first")
 def emit_slice(node: ir.Node, g: ir.Graph) -> Kernel:
     x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
     first, step = _slice_params(node, g)
@@ -110,7 +148,13 @@ def emit_slice(node: ir.Node, g: ir.Graph) -> Kernel:
                         [s * k for s, k in zip(st, step)], base, f"{list(x.shape)} -> {list(y.shape)}")
 
 
-@register("Concat", check=_any_dtype, moves="all")
+def _verify_concat(node, g) -> list[str]:
+    y = g.t(node.outputs[0])
+    p = axis_problem(int(node.attrs.get("axis", 0)), len(y.shape))
+    return [p] if p else []
+
+
+@register("Concat", check=_any_dtype, verify=_verify_concat, moves="all")
 def emit_concat(node: ir.Node, g: ir.Graph) -> Kernel:
     y = g.t(node.outputs[0])
     r = len(y.shape)
@@ -123,7 +167,17 @@ def emit_concat(node: ir.Node, g: ir.Graph) -> Kernel:
                   ins + [node.outputs[0]], desc=f"{len(ins)} tensors along axis {ax}")
 
 
-@register("Split", check=_any_dtype)
+def _verify_split(node, g) -> list[str]:
+    x, ax, p = input_axis(node, g)
+    if p:
+        return [p]
+    got = [shape(g, o) for o in node.outputs if o]
+    if any(s is None or len(s) != len(x) for s in got) or sum(s[ax] for s in got) != x[ax]:
+        return [f"the outputs do not add up to the input's {x[ax]} along axis {ax}"]
+    return []
+
+
+@register("Split", check=_any_dtype, verify=_verify_split)
 def emit_split(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     r = len(x.shape)
@@ -143,24 +197,57 @@ def _pad_check(node, g):
     return float_only(node, g)
 
 
-@register("Pad", check=_pad_check)
+def _pad_amounts(node, g) -> tuple[list[int], list[int]] | None:
+    """(before, after) padding per axis, from the attribute (opset < 11) or the constant inputs."""
+    r = len(g.t(node.inputs[0]).shape)
+    pads = node.attrs.get("pads")
+    if pads is None:
+        c = g.const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else None
+        if c is None:
+            return None
+        pads = [int(v) for v in c.reshape(-1)]
+    axes = list(range(r))
+    if len(node.inputs) > 3 and node.inputs[3]:
+        c = g.const(node.inputs[3])
+        if c is None:
+            return None
+        axes = [int(a) for a in c.reshape(-1)]
+    if len(pads) != 2 * len(axes) or axes_problems(axes, r):
+        return None
+    begin, end = [0] * r, [0] * r
+    for k, a in enumerate(axes):
+        begin[a % r], end[a % r] = int(pads[k]), int(pads[k + len(axes)])
+    return begin, end
+
+
+def _verify_pad(node, g) -> list[str]:
+    """pads for every padded axis; reflect pads at most the axis size - 1 and edge pads only
+    non-empty axes (onnxruntime refuses the others)."""
+    x = g.t(node.inputs[0]).shape
+    if len(node.inputs) > 3 and node.inputs[3] and g.const(node.inputs[3]) is not None:
+        bad = axes_problems([int(a) for a in g.const(node.inputs[3]).reshape(-1)], len(x))
+        if bad:
+            return bad
+    amounts = _pad_amounts(node, g)
+    if amounts is None:
+        return [] if _pad_check(node, g) else ["pads do not give a before and an after amount for every padded axis"]
+    mode = node.attrs.get("mode", "constant")
+    for a, (b, e) in enumerate(zip(*amounts)):
+        if mode == "reflect" and max(b, e) > x[a] - 1:
+            return [f"reflect pads {b} and {e} on axis {a}, which has {x[a]} elements: at most {x[a] - 1}"]
+    return []
+
+
+@register("Pad", check=_pad_check, verify=_verify_pad)
 def emit_pad(node: ir.Node, g: ir.Graph) -> Kernel:
     x, y = g.t(node.inputs[0]), g.t(node.outputs[0])
     r = len(x.shape)
-    pads = node.attrs.get("pads")
-    if pads is None:
-        pads = [int(v) for v in g.const(node.inputs[1])]
+    begin, end = _pad_amounts(node, g)
     value = 0.0
     if len(node.inputs) > 2 and node.inputs[2]:
         value = float(g.const(node.inputs[2]).reshape(-1)[0]) if g.const(node.inputs[2]).size else 0.0
     else:
         value = float(node.attrs.get("value", 0.0))
-    axes = list(range(r))
-    if len(node.inputs) > 3 and node.inputs[3]:
-        axes = [int(a) % r for a in g.const(node.inputs[3])]
-    begin, end = [0] * r, [0] * r
-    for k, a in enumerate(axes):
-        begin[a], end[a] = int(pads[k]), int(pads[k + len(axes)])
     mode = node.attrs.get("mode", "constant")
     maps = []   # per axis: input index for each output index, -1 = the constant value
     for a in range(r):
@@ -190,16 +277,24 @@ def _gather_check(node, g):
     return None
 
 
-@register("Gather", check=_gather_check, moves="first")
+def _verify_gather(node, g) -> list[str]:
+    x, ax, p = input_axis(node, g)
+    if p:
+        return [p]
+    idx = g.const(node.inputs[1])
+    if idx is None:
+        return []
+    n = x[ax % len(x)]
+    bad = [int(i) for i in idx.reshape(-1) if not -n <= int(i) < n]
+    return [f"index {bad[0]} is out of range for axis {ax} of size {n}"] if bad else []
+
+
+@register("Gather", check=_gather_check, verify=_verify_gather, moves="first")
 def emit_gather(node: ir.Node, g: ir.Graph) -> Kernel:
     x = g.t(node.inputs[0])
     r = len(x.shape)
     ax = int(node.attrs.get("axis", 0)) % r
-    idx = [int(i) % x.shape[ax] if -x.shape[ax] <= int(i) < x.shape[ax] else None
-           for i in g.const(node.inputs[1]).reshape(-1)]
-    if None in idx:
-        from tinydeploy.errors import TinydeployError
-        raise TinydeployError(f"Gather node has an index out of range for axis {ax} of size {x.shape[ax]}")
+    idx = [int(i) % x.shape[ax] for i in g.const(node.inputs[1]).reshape(-1)]   # in range: verified
     return Kernel("gather", dtype_tag(x.dtype),
                   {"outer": int(np.prod(x.shape[:ax], dtype=np.int64)), "n": x.shape[ax],
                    "inner": int(np.prod(x.shape[ax + 1:], dtype=np.int64)), "idx": idx},

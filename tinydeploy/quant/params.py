@@ -37,6 +37,17 @@ def quantize_multiplier(r: float) -> tuple[int, int]:
     return m, s
 
 
+RATIO_MIN, RATIO_MAX = 2.0 ** -31, 2.0 ** 30   # where quantize_multiplier is exact for every float32
+
+
+def exact_ratios(*ratios) -> bool:
+    """Whether every requantisation ratio lies where quantize_multiplier holds it exactly. An
+    island whose ratios do not (scales of absurd magnitude) is left to run in float32 between its
+    DequantizeLinear and QuantizeLinear kernels, which computes what the graph says."""
+    v = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in ratios])
+    return bool(np.all((v >= RATIO_MIN) & (v < RATIO_MAX)))
+
+
 def ties_possible(acc_bound, m, s) -> bool:
     """Whether acc * m / 2**s can be exactly halfway between two integers for some
     |acc| <= acc_bound (per channel arrays broadcast). That needs acc * m = (2k + 1) 2**(s-1),
@@ -229,8 +240,15 @@ def weights_minus_zp(w: np.ndarray, zp_w: np.ndarray, bshape) -> np.ndarray:
     return np.ascontiguousarray((w.astype(np.int32) - zp_w.reshape(bshape)).astype(np.int16))
 
 
-def bias_acc(g: ir.Graph, ctx: QCtx, name: str, n_out: int, acc_scale: np.ndarray, beta: float = 1.0) -> np.ndarray | None:
-    """The bias in accumulator units (real / (s_x * s_w[c])), int64 [n_out]."""
+BIAS_ROUNDING_MAX_LSB = 2.0 ** -10   # how far rounding a bias to accumulator units may move an output
+
+
+def bias_acc(g: ir.Graph, ctx: QCtx, name: str, n_out: int, acc_scale: np.ndarray, beta: float = 1.0,
+             r: np.ndarray | None = None) -> np.ndarray | None:
+    """The bias in accumulator units (real / (s_x * s_w[c])), int64 [n_out]; None when it does not
+    fit them: not finite or beyond int64, or, given the requantisation ratios `r` (output LSBs
+    per accumulator unit), when rounding it moves an output by more than BIAS_ROUNDING_MAX_LSB
+    (a bias whose scale is far from s_x * s_w: the island then stays float32, as the graph says)."""
     if not name:
         return np.zeros(n_out, np.int64)
     info = ctx.const(name)
@@ -251,9 +269,14 @@ def bias_acc(g: ir.Graph, ctx: QCtx, name: str, n_out: int, acc_scale: np.ndarra
         if data is None or data.dtype.kind != "f" or data.size not in (1, n_out):
             return None
         real = np.broadcast_to(data.reshape(-1).astype(np.float64), (n_out,)) * beta
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         acc = np.where(acc_scale > 0, real / acc_scale.astype(np.float64), 0.0)
-    return np.rint(acc).astype(np.int64)
+    if not np.all(np.isfinite(acc)) or np.abs(acc).max(initial=0.0) >= 2.0 ** 62:
+        return None
+    whole = np.rint(acc)
+    if r is not None and (np.abs(acc - whole) * np.abs(np.asarray(r, np.float64))).max(initial=0.0) > BIAS_ROUNDING_MAX_LSB:
+        return None
+    return whole.astype(np.int64)
 
 
 def add_multipliers(g: ir.Graph, base: str, r: np.ndarray) -> tuple[str, str]:

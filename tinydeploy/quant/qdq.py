@@ -42,7 +42,7 @@ import numpy as np
 
 from tinydeploy import ir
 from tinydeploy.ops.registry import REGISTRY, qdq_matchers
-from tinydeploy.quant.params import (QTYPES, QCtx, QInfo, dequantize_const, dq_info, q_info, qrange,
+from tinydeploy.quant.params import (QTYPES, QCtx, QInfo, dequantize_const, dq_info, exact_ratios, q_info, qrange,
                                      quantize_multiplier, quantize_value, sole_use)
 
 
@@ -84,7 +84,10 @@ def _match_requant(ctx: QCtx, t: str, yq: QInfo, lo: int, hi: int, dq: ir.Node) 
     x = ctx.runtime(t)
     if x is None:
         return None
-    m, s = quantize_multiplier(float(np.float32(x.s) / np.float32(yq.s)))
+    r = float(np.float32(x.s) / np.float32(yq.s))
+    if not exact_ratios(r):
+        return None
+    m, s = quantize_multiplier(r)
     attrs = {"_q": {"zx": x.z, "zy": yq.z, "m": m, "s": s, "lo": lo, "hi": hi}}
     return ir.Node("QRequantize", dq.name, [x.src], [yq.src], attrs, onnx_op="DequantizeLinear")
 

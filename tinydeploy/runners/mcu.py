@@ -18,11 +18,12 @@ from tinydeploy.runners.harness import pack_inputs, unpack_outputs
 INFER_TIMEOUT_S = 600.0
 
 
-def infer(dev, data: bytes, out_specs, runs: int = 1, warmup: int = 0, timeout: float = INFER_TIMEOUT_S,
+def infer(dev, data: bytes, out_specs, runs: int = 1, warmup: int = 0, timeout: float | None = None,
           stack: bool = True, source: str = "the firmware") -> dict:
     """Loads `data` into a device that speaks the protocol (QEMU or a real board), runs `infer
     runs warmup%` and reads the outputs back: {"outputs", "raw", "counts"} (protocol.Counts) and,
-    with `stack`, "stack_used_bytes" (its high-water mark)."""
+    with `stack`, "stack_used_bytes" (its high-water mark). `timeout`: seconds for the inference's
+    reply (default: the device's, which bounds every other wait)."""
     dev.load(data)
     dev.infer(runs, warmup, timeout=timeout)
     raw = dev.outputs()
@@ -186,7 +187,7 @@ class SerialRunner(Runner):
     def run(self, fw, feeds, out_specs, runs: int = 0):
         data = input_data(fw.memory, feeds)
         with open_serial(self.port, self.baudrate, self.timeout, boot_timeout=self.timeout) as dev:
-            got = infer(dev, data, out_specs, runs=max(1, runs))
+            got = infer(dev, data, out_specs, runs=max(1, runs), timeout=self.timeout)
         counts = got["counts"]
         self.last = {"counts": counts, "instructions": counts.instructions, "runs": counts.runs,
                      "stack_used_bytes": got["stack_used_bytes"], "log": dev.log}

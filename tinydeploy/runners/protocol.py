@@ -23,6 +23,23 @@ _LAYER = re.compile(r"^m-layer-(\d+)-(\d+)-(\d+)-(\d+)-([0-9a-f]{8})$")
 _LAYER_COUNT = re.compile(r"^m-layer-count-(\d+)-(\d+)$")
 
 
+INFER_MAX = 1_000_000  # the most timed runs, and the most warm-up runs, one `infer N W%` may ask for
+
+
+class _Timeout(TinydeployError):
+    """No complete line in time (expect() turns it into its own message; other failures, such as a
+    dropped connection, pass through as they are)."""
+
+
+def malformed(cmd: str, line: str, why: str) -> TinydeployError:
+    """A reply the protocol does not allow: the board's fault, quoted (sanitised)."""
+    return TinydeployError(f"the board answered {printable(cmd, 40) + '%'!r} with a malformed line "
+                           f"{printable(line, 160)!r} ({why}); is it running tinydeploy firmware for this model?")
+
+
+_FLOAT = re.compile(r"-?(?:\d+(?:\.\d*)?(?:e[+-]?\d+)?|nan|inf)")
+
+
 @dataclass
 class Counts:
     """What `ticks%` reports about the last `infer N W%`."""
@@ -100,8 +117,10 @@ class Device:
         try:
             waiting = getattr(self.ser, "in_waiting", 0)
             data = self.ser.read(max(1, waiting))
-        except Exception as e:
-            raise TinydeployError(f"reading from {printable(str(self.where))} failed: {printable(str(e), 160)}") from None
+        except Exception as e:   # a dropped connection, an unplugged board: at once, not at the deadline
+            tail = " | ".join(self.log[-4:]) or "(nothing)"
+            raise TinydeployError(f"reading from {printable(str(self.where))} failed: {printable(str(e), 160)} "
+                                  f"(the connection to the board was lost); last exchange: {printable(tail, 300)}") from None
         if data:
             self._buf += data
             return True
@@ -126,7 +145,7 @@ class Device:
                 self.log.append("< " + printable(text, 300))
                 return text
             if time.monotonic() >= deadline:
-                raise self._stopped(waiting_for, timeout)
+                raise _Timeout(str(self._stopped(waiting_for, timeout)))
             self._fill(deadline)
 
     def expect(self, pattern: str, timeout: float | None = None, what: str | None = None) -> tuple[re.Match, list[str]]:
@@ -143,7 +162,7 @@ class Device:
                 raise self._stopped(what, timeout)
             try:
                 line = self.readline(left, waiting_for=what)
-            except TinydeployError:
+            except _Timeout:
                 raise self._stopped(what, timeout) from None
             m = rx.search(line)
             if m:
@@ -151,13 +170,18 @@ class Device:
             seen.append(line)
 
     def drain(self, quiet: float = 0.3, limit: float = 5.0) -> bytes:
-        """Discards input until nothing arrives for `quiet` seconds (at most `limit` seconds)."""
+        """Discards input until nothing arrives for `quiet` seconds (at most `limit` seconds, and
+        never longer than the device's timeout)."""
         got = bytearray(self._buf)
         self._buf.clear()
-        end = time.monotonic() + limit
+        end = time.monotonic() + min(limit, self.timeout)
         last = time.monotonic()
         while time.monotonic() < end and time.monotonic() - last < quiet:
-            data = self.ser.read(max(1, getattr(self.ser, "in_waiting", 0)))
+            try:
+                data = self.ser.read(max(1, getattr(self.ser, "in_waiting", 0)))
+            except Exception as e:
+                raise TinydeployError(f"reading from {printable(str(self.where))} failed: {printable(str(e), 160)} "
+                                      "(the connection to the board was lost)") from None
             if data:
                 got += data
                 last = time.monotonic()
@@ -228,8 +252,8 @@ class Device:
             self.raise_errors(cmd, before)
             raise TinydeployError(f"the board did not accept {cmd!r}: {printable(' | '.join(before), 200)}")
         self.write(data, note=f"({len(data)} raw bytes)")
-        # about 18 KB/s through QEMU's UART, a little less on 115200-baud hardware
-        _, lines = self.expect(r"^m-ready$", timeout if timeout is not None else max(self.timeout, len(data) / 5000))
+        # about 18 KB/s through QEMU's UART, 11 KB/s at 115200 baud: within the device's timeout
+        _, lines = self.expect(r"^m-ready$", self.timeout if timeout is None else timeout)
         self.raise_errors(cmd, lines)
         if "m-load-done" not in lines:
             raise TinydeployError(f"bulk load of {len(data)} bytes did not complete: {printable(' | '.join(lines), 200)}")
@@ -243,21 +267,34 @@ class Device:
             raise TinydeployError(f"db load of {len(data)} bytes did not complete")
 
     def infer(self, n: int = 1, warmup: int = 0, timeout: float | None = None) -> float:
-        """Runs `infer n warmup%`; returns the latency in port ticks per inference (see counts())."""
-        lines = self.command(f"infer {n} {warmup}", timeout if timeout is not None else max(self.timeout, 600.0))
+        """Runs `infer n warmup%` (1 <= n and 0 <= warmup, each at most INFER_MAX); returns the
+        latency in port ticks per inference (see counts()). `timeout`: seconds for the whole reply
+        (default: the device's)."""
+        for what, v, lo in (("runs", n, 1), ("warm-up runs", warmup, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= INFER_MAX:
+                raise TinydeployError(f"{what} must be a whole number from {lo} to {INFER_MAX}, not {printable(str(v), 20)}")
+        cmd = f"infer {n} {warmup}"
+        lines = self.command(cmd, self.timeout if timeout is None else timeout)
         if "m-infer-done" not in lines:
             raise TinydeployError(f"infer did not complete: {printable(' | '.join(lines[-4:]), 200)}")
-        self.last_results = self._results(lines)
+        self.last_results = self._results(lines, cmd)
         self.last_counts = self.counts()
+        if self.last_counts.runs != n:
+            raise malformed("ticks", f"runs-{self.last_counts.runs}", f"{n} runs were asked for")
         return self.last_counts.ticks_per_run
 
     def counts(self) -> Counts:
         lines = self.command("ticks")
         t = self._match(lines, r"^m-ticks-total-(\d+)-runs-(\d+)-min-(\d+)-max-(\d+)-hz-(\d+)$", "ticks")
         c = self._match(lines, r"^m-count-total-(\d+)-min-(\d+)-max-(\d+)-unit-\[(\w+)\]$", "ticks")
-        return Counts(runs=int(t[2]), ticks_total=int(t[1]), ticks_min=int(t[3]), ticks_max=int(t[4]),
-                      tick_hz=int(t[5]), count_total=int(c[1]), count_min=int(c[2]), count_max=int(c[3]),
-                      count_unit=c[4])
+        counts = Counts(runs=int(t[2]), ticks_total=int(t[1]), ticks_min=int(t[3]), ticks_max=int(t[4]),
+                        tick_hz=int(t[5]), count_total=int(c[1]), count_min=int(c[2]), count_max=int(c[3]),
+                        count_unit=c[4])
+        if counts.tick_hz <= 0:
+            raise malformed("ticks", t[0], "a tick rate of 0 Hz")
+        if counts.runs and not (counts.ticks_min <= counts.ticks_max and counts.count_min <= counts.count_max):
+            raise malformed("ticks", t[0] + " | " + c[0], "the slowest run is faster than the fastest")
+        return counts
 
     def results(self) -> list[float]:
         return self._results(self.command("results"))
@@ -266,9 +303,15 @@ class Device:
         """Every output tensor's raw bytes, back to back (rawout%)."""
         lines = self.command("rawout")
         n = int(self._field(lines, r"^m-rawout-bytes-(\d+)$", "rawout"))
-        data = bytes.fromhex("".join(ln[len("m-raw-"):] for ln in lines if ln.startswith("m-raw-")))
+        chunks = []
+        for ln in lines:
+            if ln.startswith("m-raw-"):
+                if not re.fullmatch(r"m-raw-(?:[0-9a-fA-F]{2})+", ln):
+                    raise malformed("rawout", ln, "not an even number of hexadecimal digits")
+                chunks.append(bytes.fromhex(ln[len("m-raw-"):]))
+        data = b"".join(chunks)
         if len(data) != n:
-            raise TinydeployError(f"rawout announced {n} bytes but sent {len(data)}")
+            raise malformed("rawout", f"m-rawout-bytes-{n}", f"it announced {n} bytes but sent {len(data)}")
         return data
 
     def read_exact(self, n: int, timeout: float | None = None, what: str = "raw bytes") -> bytes:
@@ -358,11 +401,16 @@ class Device:
             m = re.match(pattern, ln)
             if m:
                 return m
-        raise TinydeployError(f"unexpected answer to {what}%: {printable(' | '.join(lines), 200)}")
+        raise TinydeployError(f"the board's answer to {printable(what, 40) + '%'!r} lacks the line it must have: "
+                              f"{printable(' | '.join(lines), 200) or '(nothing)'}; is it running tinydeploy firmware?")
 
     def _field(self, lines, pattern, what) -> str:
         return self._match(lines, pattern, what).group(1)
 
-    def _results(self, lines: list[str]) -> list[float]:
-        body = self._field(lines, r"^m-results-\[(.*)\]$", "results")
-        return [float(x) for x in body.split(",") if x]
+    def _results(self, lines: list[str], cmd: str = "results") -> list[float]:
+        m = self._match(lines, r"^m-results-\[(.*)\]$", cmd)
+        values = [x for x in m.group(1).split(",") if x]
+        bad = next((x for x in values if not _FLOAT.fullmatch(x)), None)
+        if bad is not None:
+            raise malformed(cmd, m.group(0), f"{printable(bad, 20)!r} is not a number")
+        return [float(x) for x in values]

@@ -21,6 +21,12 @@ class Target:
     caches: bool = True           # data caches to block for; False: cores that read memory directly (Cortex-M4)
     machine: str | None = None    # `uname -m` of the Linux machine that runs its binaries; None: bare metal
     os: str = "linux"             # "linux" (a harness program) or "none" (firmware)
+    long_bits: int = 64           # width of C `long` (the generated C's byte offsets); Cortex-M: 32
+
+    @property
+    def bytes_max(self) -> int:
+        """The largest tensor, in bytes, whose offsets the generated C can hold (C `long`)."""
+        return 2 ** (self.long_bits - 1) - 1
 
     @property
     def bare_metal(self) -> bool:

@@ -57,6 +57,7 @@ def cortex_m(cpu: str) -> CortexMTarget:
         alignment=8,
         caches=caches,
         os="none",
+        long_bits=32,
     )
 
 
