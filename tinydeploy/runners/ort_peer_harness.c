@@ -82,6 +82,17 @@ __attribute__((noinline)) void td_peer_run(void)
           "Run");
 }
 
+/* fopen, or exit 2 with the file's name */
+static FILE *open_or_stop(const char *path, const char *mode)
+{
+    FILE *f = fopen(path, mode);
+    if (f == NULL) {
+        fprintf(stderr, "error: cannot %s %s\n", mode[0] == 'r' ? "open" : "write", path);
+        exit(2);
+    }
+    return f;
+}
+
 int main(int argc, char **argv)
 {
     void *lib;
@@ -140,11 +151,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "error: more than %d inputs or outputs\n", MAX_IO);
         return 2;
     }
-    f = fopen(argv[3], "rb");
-    if (f == NULL) {
-        fprintf(stderr, "error: cannot open %s\n", argv[3]);
-        return 2;
-    }
+    f = open_or_stop(argv[3], "rb");
     for (i = 0; i < n_in; ++i) {
         OrtTypeInfo *type;
         const OrtTensorTypeAndShapeInfo *tensor;
@@ -195,11 +202,7 @@ int main(int argc, char **argv)
     for (r = 0; r < runs; ++r) {
         td_peer_run();
     }
-    f = fopen(argv[4], "wb");
-    if (f == NULL) {
-        fprintf(stderr, "error: cannot write %s\n", argv[4]);
-        return 2;
-    }
+    f = open_or_stop(argv[4], "wb");
     for (i = 0; i < n_out; ++i) {
         OrtTensorTypeAndShapeInfo *info;
         ONNXTensorElementDataType et;
