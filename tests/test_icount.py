@@ -114,26 +114,33 @@ def tiny_conv(tmp_path: Path) -> Path:
     return save(m, tmp_path, "tiny.onnx")
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """tiny_conv in a folder of its own (one per test worker): the commands run there, so the rpi4
+    build in its build/ is made once and reused by the tests that follow."""
+    return tiny_conv(tmp_path_factory.mktemp("tiny"))
+
+
 def tdy(*args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     e = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "tinydeploy", *args], capture_output=True, text=True, cwd=cwd, env=e)
 
 
-@pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
-def test_run_emulate_reports_exact_instructions(board, tmp_path):
+def test_run_emulate_reports_exact_instructions(tiny):
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
-    path = tiny_conv(tmp_path)
-    r = tdy("run", "--board", board, "--emulate", str(path), "--json", "-o", str(tmp_path / "b"), cwd=tmp_path)
+    path, board = tiny, "rpi4"
+    r = tdy("run", "--board", board, "--emulate", str(path), "--json", cwd=path.parent)
     assert r.returncode == 0, r.stderr[-2000:]
     lat = json.loads(r.stdout)["latency"]
     assert lat["instructions"] > 0 and lat["exact"] is True and lat["median_ms"] is None
     assert lat["simd_fp_instructions"] > 0 and lat["fma_lanes"] >= 4 * 8 * 8 * 27      # every MAC on an FMA lane
     assert lat["first_inference_instructions"] == lat["instructions"]
-    again = flow.run(path, board, outdir=tmp_path / "b", quiet=True, emulate=True)["latency"]
+    built = path.parent / flow.default_outdir(path, board)                             # the command's build
+    again = flow.run(path, board, outdir=built, quiet=True, emulate=True)["latency"]
     assert again["instructions"] == lat["instructions"]                                  # repeatable
-    plain = flow.run(path, board, outdir=tmp_path / "b", quiet=True, emulate=True, latency=False)["latency"]
+    plain = flow.run(path, board, outdir=built, quiet=True, emulate=True, latency=False)["latency"]
     assert "instructions" not in plain                                                   # latency=False: no count
 
 
@@ -145,10 +152,10 @@ def test_int8_inferences_count_the_same(tmp_path):
     assert res["outputs_match"] and res["latency"]["exact"] and res["latency"]["instructions"] > 1_000_000
 
 
-def test_bench_emulate_per_inference_and_per_layer(tmp_path):
+def test_bench_emulate_per_inference_and_per_layer(tiny):
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
-    path = tiny_conv(tmp_path)
+    path, tmp_path = tiny, tiny.parent
     r = tdy("bench", "--board", "rpi4", "--emulate", "--peers", "none", "--json", str(path), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     (row,) = json.loads(r.stdout)
@@ -163,10 +170,10 @@ def test_bench_emulate_per_inference_and_per_layer(tmp_path):
     assert r.returncode == 2 and "runs natively here" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_missing_compiler_or_plugin_support_is_one_clear_line(tmp_path):
+def test_missing_compiler_or_plugin_support_is_one_clear_line(tiny, tmp_path):
     require("aarch64-linux-gnu-gcc")
-    path = tiny_conv(tmp_path)
-    r = tdy("run", "--board", "rpi4", "--emulate", str(path), cwd=tmp_path,
+    path = tiny
+    r = tdy("run", "--board", "rpi4", "--emulate", str(path), cwd=path.parent,
             env={"TINYDEPLOY_CACHE": str(tmp_path / "cache"), "TINYDEPLOY_PLUGIN_CC": "no-such-cc-td"})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
@@ -176,7 +183,7 @@ def test_missing_compiler_or_plugin_support_is_one_clear_line(tmp_path):
     fake.mkdir()
     (fake / "qemu-aarch64").write_text("#!/bin/sh\necho 'usage: qemu-aarch64 [options] program [arguments...]'\n")
     (fake / "qemu-aarch64").chmod(0o755)
-    r = tdy("run", "--board", "rpi4", "--emulate", str(path), cwd=tmp_path,
+    r = tdy("run", "--board", "rpi4", "--emulate", str(path), cwd=path.parent,
             env={"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "was built without TCG plugin support" in r.stderr.strip().splitlines()[-1]
@@ -198,20 +205,20 @@ def test_litert_missing_is_one_clear_line(tmp_path):
     blocked.mkdir(parents=True)
     (blocked / "__init__.py").write_text("raise ImportError('blocked by the test')\n")
     env = {"PYTHONPATH": f"{REPO}{os.pathsep}{blocked.parent}"}
-    r = tdy("bench", "--seconds", "0.05", "--tflite", str(tmp_path / "tiny.tflite"), str(path), cwd=tmp_path, env=env)
+    r = tdy("bench", "--seconds", "0.01", "--tflite", str(tmp_path / "tiny.tflite"), str(path), cwd=tmp_path, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         "tinydeploy: error: LiteRT is not installed (the optional extra: pip install 'tinydeploy[litert]', which "
         "installs ai-edge-litert)")
     # a twin found beside the model: left out with one line, the bench goes on
-    r = tdy("bench", "--seconds", "0.05", "--json", str(path), cwd=tmp_path, env=env)
+    r = tdy("bench", "--seconds", "0.01", "--json", str(path), cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     assert [ln for ln in r.stderr.splitlines() if "peer left out" in ln] == [
         "[tinydeploy] peer left out: LiteRT is not installed (the optional extra: pip install 'tinydeploy[litert]', "
         "which installs ai-edge-litert)"]
     (row,) = json.loads(r.stdout)
     assert "litert_median_ms" not in row and row["onnxruntime_median_ms"] > 0
-    r = tdy("bench", "--seconds", "0.05", "--tflite", str(tmp_path / "none.tflite"), str(path), cwd=tmp_path, env=env)
+    r = tdy("bench", "--seconds", "0.01", "--tflite", str(tmp_path / "none.tflite"), str(path), cwd=tmp_path, env=env)
     assert r.returncode == 2 and "none.tflite does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -227,12 +234,12 @@ def test_litert_twin_lookup(tmp_path):
     assert find_twin(m, tmp_path / "tflite") == tmp_path / "tflite" / "m.tflite"
 
 
-def test_onnxruntime_aarch64_missing_pieces_are_one_clear_line(tmp_path):
+def test_onnxruntime_aarch64_missing_pieces_are_one_clear_line(tiny, tmp_path):
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
-    path = tiny_conv(tmp_path)
+    path = tiny
     base = {"TINYDEPLOY_CACHE": str(tmp_path / "cache")}
-    r = tdy("bench", "--board", "rpi4", "--emulate", "--peers", "require", str(path), cwd=tmp_path,
+    r = tdy("bench", "--board", "rpi4", "--emulate", "--peers", "require", str(path), cwd=path.parent,
             env={**base, "TINYDEPLOY_ORT_HEADERS": str(tmp_path / "no-headers")})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
@@ -246,12 +253,12 @@ def test_onnxruntime_aarch64_missing_pieces_are_one_clear_line(tmp_path):
     empty.mkdir()
     offline = {**base, "TINYDEPLOY_ORT_HEADERS": str(headers), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty),
                "PIP_CONFIG_FILE": os.devnull}
-    r = tdy("bench", "--board", "rpi4", "--emulate", "--peers", "require", str(path), cwd=tmp_path, env=offline)
+    r = tdy("bench", "--board", "rpi4", "--emulate", "--peers", "require", str(path), cwd=path.parent, env=offline)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("tinydeploy: error: cannot fetch onnxruntime ") and "linux-aarch64 wheel from PyPI" in last
     # auto: the bench goes on without the peer, after one line saying why
-    r = tdy("bench", "--board", "rpi4", "--emulate", "--json", str(path), cwd=tmp_path, env=offline)
+    r = tdy("bench", "--board", "rpi4", "--emulate", "--json", str(path), cwd=path.parent, env=offline)
     assert r.returncode == 0, r.stderr
     assert len([ln for ln in r.stderr.splitlines() if "peer left out: cannot fetch onnxruntime" in ln]) == 1
     (row,) = json.loads(r.stdout)

@@ -103,6 +103,11 @@ def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json:
     if tflite is not None and len(models) > 1 and not Path(tflite).is_dir():
         raise TinydeployError("--tflite names one .tflite file, for one model; for several, give the folder that "
                               "holds their twins (<model name>.tflite)")
+    if tflite is not None:              # a twin given must run: its pieces are checked before any build
+        from tinydeploy.runners import litert
+        for m in models:
+            litert.find_twin(Path(m), tflite)
+        litert.interpreter_class()
     runner = runners.select_runner(board_obj)
     rows, said = [], set()
     for m in models:
