@@ -427,7 +427,16 @@ def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outd
         built = b.exe if b.firmware is None else b.firmware
         if b.firmware is not None and not quiet:
             progress(f"running under QEMU ({b.firmware.machine.id}, -icount: exact instruction counts)")
-        got, ms = runner.run(built, x, out_specs, runs=0)
+        # a Linux board's build under user-mode QEMU: its instructions per inference, counted exactly
+        counting = (latency and not timed and b.firmware is None and threads == 1
+                    and getattr(runner, "counts_instructions", False))
+        if counting:
+            if not quiet:
+                progress(f"running {runner.where} with tinydeploy's counting plugin (exact instructions per inference)")
+            got, counted = runner.count(built, x, out_specs)
+            ms = None
+        else:
+            got, ms = runner.run(built, x, out_specs, runs=0)
         # 8-bit outputs, and float outputs of a DequantizeLinear: in LSBs against the oracle
         cmp = reference.check_outputs(model, reference_model_bytes(model), feeds, got, FP32_RTOL,
                                       b.summary.get("output_lsb"), input_shapes)
@@ -446,6 +455,15 @@ def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outd
             result["emulated"] = True    # microcontroller firmware runs under QEMU here
         elif runner.emulated and not timed:
             result["emulated"] = True   # user-mode QEMU: results are real, time is not
+            if counting:
+                result["latency"] = {"median_ms": None, "runs": 0, **counted.as_dict(),
+                                     "note": "instructions per inference under user-mode QEMU (tinydeploy's counting "
+                                             "plugin; the difference of a 1-inference and a "
+                                             f"{counted.inferences + 1}-inference run), exact; no time: a Cortex-A "
+                                             "core runs several instructions per cycle"}
+            elif latency and threads > 1:
+                from tinydeploy.runners.icount import ONE_THREAD
+                result["latency"]["note"] = ONE_THREAD
         elif latency:
             if runs:
                 ms = runner.run(built, x, out_specs, runs=runs)[1]

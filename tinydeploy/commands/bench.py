@@ -1,6 +1,10 @@
-"""`tinydeploy bench`: the generated code's latency next to onnxruntime's (both on 1 thread, or
-both on N with --threads N), measured in the same run on the same inputs, and their ratio. A benchmark, not a test: the machine is
-shared, so only the ratio between peers measured together means much."""
+"""`tinydeploy bench`: the generated code's latency next to its peers' on the same inputs, in the
+same run, and their ratios: onnxruntime (both on 1 thread, or both on N with --threads N) and, when
+the model has a .tflite twin, LiteRT with XNNPACK (runners/litert.py). With --emulate, a Linux
+board's build under user-mode QEMU: exact instructions per inference (runners/icount.py) next to
+onnxruntime's own library for that board counted the same way (runners/ort_aarch64.py). A
+benchmark, not a test: the machine is shared, so only the ratio between peers measured together
+means much."""
 from __future__ import annotations
 
 import statistics
@@ -10,7 +14,11 @@ from pathlib import Path
 
 from tinydeploy import flow, reference, runners
 from tinydeploy.commands.common import print_json
+from tinydeploy.codegen.cfmt import printable
+from tinydeploy.errors import TinydeployError
 from tinydeploy.runners.harness import runs_within, time_runs
+
+PEERS = ("auto", "require", "none")
 
 
 def onnxruntime_median_ms(model: Path, feeds: dict, budget_s: float, threads: int = 1) -> tuple[float, int]:
@@ -58,15 +66,52 @@ def bench_mcu(models: list[str], board: str, as_json: bool, max_weights_bytes=No
     return rows
 
 
+def peer_left_out(peers: str, err: TinydeployError, said: set) -> None:
+    """A peer that cannot run: with --peers require the bench stops (the error), else one line
+    on stderr (once per reason) and the bench goes on without it."""
+    if peers == "require":
+        raise err
+    if str(err) not in said:
+        said.add(str(err))
+        print(f"[tinydeploy] peer left out: {err}", file=sys.stderr, flush=True)
+
+
+def litert_median_ms(path: Path, tflite, feeds: dict, seconds: float, threads: int, peers: str, said: set):
+    """(median ms, runs, twin) of LiteRT on the model's .tflite twin, or None (no twin, or LiteRT
+    cannot run it: left out as `peers` says; a twin given with --tflite must run)."""
+    from tinydeploy.runners import litert
+    if peers == "none" and tflite is None:
+        return None
+    twin = litert.find_twin(path, tflite)
+    if twin is None:
+        return None
+    try:
+        return (*litert.median_ms(twin, feeds, seconds, threads), twin)
+    except TinydeployError as e:
+        peer_left_out("require" if tflite is not None else peers, e, said)
+        return None
+
+
 def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
-          threads: int = 1, max_weights_bytes=None, optimize: str = "balanced") -> list[dict]:
+          threads: int = 1, max_weights_bytes=None, optimize: str = "balanced", emulate: bool = False,
+          peers: str = "auto", tflite=None) -> list[dict]:
     from tinydeploy.targets import boards
     board_obj = boards.get_board(board)
     flow.check_threads(board_obj, threads)
     if board_obj.is_mcu:
         return bench_mcu(models, board, as_json, max_weights_bytes, optimize)
+    if emulate:
+        return bench_emulated(models, board_obj, as_json, threads, peers, max_weights_bytes)
+    if tflite is not None and len(models) > 1 and not Path(tflite).is_dir():
+        raise TinydeployError("--tflite names one .tflite file, for one model; for several, give the folder that "
+                              "holds their twins (<model name>.tflite)")
+    if tflite is not None:              # a twin given must run: its pieces are checked before any build
+        from tinydeploy.runners import litert
+        for m in models:
+            litert.find_twin(Path(m), tflite)
+        litert.interpreter_class()
     runner = runners.select_runner(board_obj)
-    rows = []
+    rows, said = [], set()
     for m in models:
         path = Path(m)
         b = flow.build(path, board, reuse=True, quiet=as_json, threads=threads, max_weights_bytes=max_weights_bytes)
@@ -76,22 +121,32 @@ def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json:
         x = [feeds[n] for n, _, _ in specs]
         ours, runs = time_runs(runner, b.exe, x, out_specs, seconds)
         ort_ms, ort_runs = onnxruntime_median_ms(path, feeds, seconds, threads)
+        lite = litert_median_ms(path, tflite, feeds, seconds, threads, peers, said)
         macs = b.summary["macs"]
-        rows.append({"model": path.name, "board": board, "threads": threads, "median_ms": ours, "runs": runs,
-                     "onnxruntime_median_ms": ort_ms, "onnxruntime_runs": ort_runs, "ratio": ours / ort_ms,
-                     "gflops": 2 * macs / (ours * 1e6) if ours else None, "macs": macs,
-                     "arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"]})
+        row = {"model": path.name, "board": board, "threads": threads, "median_ms": ours, "runs": runs,
+               "onnxruntime_median_ms": ort_ms, "onnxruntime_runs": ort_runs, "ratio": ours / ort_ms,
+               "gflops": 2 * macs / (ours * 1e6) if ours else None, "macs": macs,
+               "arena_bytes": b.summary["arena_bytes"], "lower_bound_bytes": b.summary["lower_bound_bytes"]}
+        if lite is not None:
+            row.update(litert_median_ms=lite[0], litert_runs=lite[1], litert_model=str(lite[2]),
+                       ratio_litert=ours / lite[0])
+        rows.append(row)
     if as_json:
         print_json(rows)
         return rows
     each = f"{threads} thread{'s' if threads > 1 else ''} each"
-    print(f"{'model':<28} {'tinydeploy ms':>13} {'onnxruntime ms':>14} {'ratio':>7} {'GFLOP/s':>8} {'arena B':>10}"
-          f"  ({each})")
+    lite = any("litert_median_ms" in r for r in rows)
+    print(f"{'model':<28} {'tinydeploy ms':>13} {'onnxruntime ms':>14} {'ratio':>7}"
+          + (f" {'LiteRT ms':>10} {'ratio':>7}" if lite else "") + f" {'GFLOP/s':>8} {'arena B':>10}  ({each})")
     for r in rows:
-        print(f"{r['model']:<28} {r['median_ms']:>13.4f} {r['onnxruntime_median_ms']:>14.4f} {r['ratio']:>7.2f} "
-              f"{r['gflops']:>8.2f} {r['arena_bytes']:>10,}")
-    print(f"ratio = tinydeploy / onnxruntime ({each}, same inputs, same run); < 1 means faster",
-          file=sys.stderr)
+        lr = ""
+        if lite:
+            lr = (f" {r['litert_median_ms']:>10.4f} {r['ratio_litert']:>7.2f}" if "litert_median_ms" in r
+                  else f" {'-':>10} {'-':>7}")
+        print(f"{printable(r['model'])[:28]:<28} {r['median_ms']:>13.4f} {r['onnxruntime_median_ms']:>14.4f} "
+              f"{r['ratio']:>7.2f}{lr} {r['gflops']:>8.2f} {r['arena_bytes']:>10,}")
+    print("ratio = tinydeploy / onnxruntime" + (" and tinydeploy / LiteRT (XNNPACK, on the .tflite twin)" if lite else "")
+          + f" ({each}, same inputs, same run); < 1 means faster", file=sys.stderr)
     if threads > 1:
         print("OpenMP threads spin, then sleep between layers; on a machine shared with busy processes try "
               "OMP_WAIT_POLICY=passive (no spinning: helps large models, costs small ones a wake-up per layer)",
@@ -99,16 +154,142 @@ def bench(models: list[str], board: str = "host", seconds: float = 1.0, as_json:
     return rows
 
 
+def counting_runner(board, threads: int):
+    """The runner that counts a Linux board's build under user-mode QEMU; clear errors for a
+    board that runs here and for threads."""
+    runner = runners.select_runner(board, emulate=True)
+    if not getattr(runner, "counts_instructions", False):
+        raise TinydeployError(f"--emulate counts the instructions of a Linux board's build under user-mode QEMU "
+                              f"(rpi4, jetson-orin, jetson-xavier); {board.id} runs natively here: leave --emulate out")
+    if threads > 1:
+        from tinydeploy.runners.icount import ONE_THREAD
+        raise TinydeployError(ONE_THREAD)
+    return runner
+
+
+def onnx_input_order(path: Path) -> list[str]:
+    """The model's inputs in ONNX order (onnxruntime's), initializers left out."""
+    import onnx
+    m = onnx.load(str(path), load_external_data=False)
+    inits = {t.name for t in m.graph.initializer}
+    return [i.name for i in m.graph.input if i.name not in inits]
+
+
+def bench_emulated(models: list[str], board, as_json: bool, threads: int = 1, peers: str = "auto",
+                   max_weights_bytes=None) -> list[dict]:
+    """A Linux board's build under user-mode QEMU: exact instructions per inference (`run`'s
+    count), next to onnxruntime's own library for the board counted the same way on the same
+    inputs (runners/ort_aarch64.py), and their ratio."""
+    from tinydeploy.runners.ort_aarch64 import OrtPeer
+    counting_runner(board, threads)
+    said, peer = set(), None
+    if peers != "none":
+        try:
+            peer = OrtPeer(board)
+        except TinydeployError as e:
+            peer_left_out(peers, e, said)
+    rows = []
+    for m in models:
+        path = Path(m)
+        r = flow.run(path, board, quiet=as_json, emulate=True, max_weights_bytes=max_weights_bytes)
+        b = flow.build(path, board, reuse=True, quiet=True, max_weights_bytes=max_weights_bytes)
+        lat, macs = r["latency"], r["macs"]
+        ins = lat["instructions"]
+        row = {"model": path.name, "board": board.id, "emulated": True, "qemu": " ".join(board.qemu_user),
+               "instructions": ins, "simd_fp_instructions": lat["simd_fp_instructions"],
+               "fma_lanes": lat["fma_lanes"], "macs": macs, "macs_per_instruction": macs / ins if ins else None,
+               "outputs_match": r["outputs_match"], "arena_bytes": r["memory"]["arena_bytes"]}
+        if peer is not None:
+            feeds = reference.random_inputs(flow.io_specs(b.summary, "inputs"), 0)     # run's inputs
+            order = onnx_input_order(path)
+            try:
+                c = peer.count(path, [feeds[n] for n in (order if set(order) == set(feeds) else feeds)])
+            except TinydeployError as e:
+                peer_left_out(peers, e, said)
+            else:
+                row.update(onnxruntime_instructions=c.instructions, onnxruntime_simd_fp_instructions=c.simd_fp_instructions,
+                           onnxruntime_fma_lanes=c.fma_lanes, onnxruntime_spread=list(c.spread),
+                           onnxruntime_version=peer.version, ratio=ins / c.instructions)
+        rows.append(row)
+    if as_json:
+        print(json.dumps(rows))
+        return rows
+    print(f"{'model':<28} {'tinydeploy':>14} {'onnxruntime':>14} {'ratio':>6} {'MACs/instr':>10} {'SIMD/FP':>7} "
+          f"{'FMA/MAC':>7}  match")
+    for r in rows:
+        ort = f"{r['onnxruntime_instructions']:>14,} {r['ratio']:>6.2f}" if "ratio" in r else f"{'-':>14} {'-':>6}"
+        print(f"{printable(r['model'])[:28]:<28} {r['instructions']:>14,} {ort} {r['macs_per_instruction']:>10.3f} "
+              f"{100.0 * r['simd_fp_instructions'] / r['instructions']:>6.1f}% "
+              f"{r['fma_lanes'] / r['macs'] if r['macs'] else 0.0:>7.2f}  {'yes' if r['outputs_match'] else 'NO'}")
+    ort = next((r for r in rows if "ratio" in r), None)
+    print(f"instructions per inference under {' '.join(board.qemu_user)}, counted by tinydeploy's QEMU plugin: "
+          "tinydeploy's exact, onnxruntime's "
+          + (f"{ort['onnxruntime_version']} (its linux-aarch64 library, 1 thread) the mean of 2 inferences after the "
+             "first" if ort else "(left out)")
+          + "; ratio = tinydeploy / onnxruntime, < 1 means fewer instructions; SIMD/FP = share of Advanced SIMD and "
+          "FP instructions; FMA/MAC = fused multiply-add lanes per MAC", file=sys.stderr)
+    return rows
+
+
+def bench_layers_counted(models: list[str], board, as_json: bool, threads: int = 1, max_weights_bytes=None) -> list[dict]:
+    """`bench --layers --emulate` of a Linux board: exact instructions per layer under user-mode
+    QEMU (a -DTD_PROFILE build; the plugin counts between the hooks and leaves them out)."""
+    runner = counting_runner(board, threads)
+    results = []
+    for m in models:
+        path = Path(m)
+        outdir = flow.default_outdir(path, board.id + "-emulated-profile")
+        b = flow.build(path, board, outdir, reuse=True, quiet=as_json, extra_cflags=["-DTD_PROFILE"],
+                       max_weights_bytes=max_weights_bytes)
+        specs = flow.io_specs(b.summary, "inputs")
+        feeds = reference.random_inputs(specs, 0)
+        out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+        _, counted = runner.count(b.exe, [feeds[n] for n, _, _ in specs], out_specs, layers=True)
+        table = b.summary["layer_table"]
+        if len(counted.layers) != len(table):
+            raise TinydeployError(f"{len(counted.layers)} layers counted, {len(table)} layers in the build "
+                                  f"(was {printable(str(b.outdir))} built with -DTD_PROFILE?)")
+        total = sum(c[0] for c in counted.layers) or 1
+        rows = [{"step": step, "op": op, "name": name, "algorithm": algo, "macs": macs, "instructions": c[0],
+                 "simd_fp_instructions": c[1], "fma_lanes": c[2], "macs_per_instruction": macs / c[0] if c[0] else None,
+                 "share_percent": 100.0 * c[0] / total}
+                for (step, op, name, algo, macs), c in zip(table, counted.layers)]
+        results.append({"model": path.name, "board": board.id, "emulated": True, "counted": True,
+                        "instructions": counted.instructions, "layers_instructions_sum": total,
+                        "macs": b.summary["macs"], "layers": rows})
+    if as_json:
+        print(json.dumps(results))
+        return results
+    for r in results:
+        print(f"{r['model']} on {r['board']} (under {' '.join(board.qemu_user)}): instructions per inference, per layer")
+        print(f"{'step':>4}  {'op':<14} {'name':<24} {'algorithm':<44} {'MACs':>12} {'instructions':>13} "
+              f"{'MACs/instr':>10} {'FMA/MAC':>7} {'share':>6}")
+        for x in r["layers"]:
+            name = x["name"] if len(x["name"]) <= 24 else "..." + x["name"][-21:]
+            mpi = f"{x['macs_per_instruction']:.3f}" if x["macs"] and x["instructions"] else "-"
+            fma = f"{x['fma_lanes'] / x['macs']:.2f}" if x["macs"] else "-"
+            print(f"{x['step']:>4}  {x['op'][:14]:<14} {name:<24} {x['algorithm'][:44]:<44} {x['macs']:>12,} "
+                  f"{x['instructions']:>13,} {mpi:>10} {fma:>7} {x['share_percent']:>5.1f}%")
+        mpi = r["macs"] / r["instructions"] if r["instructions"] else 0.0
+        print(f"{'':>4}  {'total':<14} {'(whole inference)':<24} {'':<44} {r['macs']:>12,} {r['instructions']:>13,} "
+              f"{mpi:>10.3f}")
+    print("instructions per layer: exact, counted between the -DTD_PROFILE hooks (hooks left out); share = of the "
+          "layers' sum; the total also holds the calls between layers", file=sys.stderr)
+    return results
+
+
 def bench_layers(models: list[str], board: str = "host", seconds: float = 1.0, as_json: bool = False,
                  emulate: bool = False, threads: int = 1, max_weights_bytes=None) -> list[dict]:
     """`bench --layers`: each layer's algorithm, MACs, median time, GFLOP/s and share of the time,
     from a build with -DTD_PROFILE (the harness times every layer of every timed run), so the
-    next bottleneck is visible. SBC boards run under qemu-aarch64 with --emulate: those times are
-    labelled emulated (they show where an emulator spends time, not the board)."""
+    next bottleneck is visible. Microcontroller boards: exact instructions per layer under QEMU;
+    Linux boards with --emulate: exact instructions per layer under qemu-aarch64 (the plugin)."""
     from tinydeploy.targets import boards
     b_info = boards.get_board(board)
     if b_info.is_mcu:
         return bench_layers_mcu(models, board, as_json, max_weights_bytes)
+    if emulate:
+        return bench_layers_counted(models, b_info, as_json, threads, max_weights_bytes)
     runner = runners.select_runner(b_info, emulate)
     results = []
     for m in models:
@@ -199,16 +380,25 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", action="store_true", help="per layer: algorithm, MACs, median us, GFLOP/s, share "
                    "of the time (a build with -DTD_PROFILE); microcontroller boards: exact instructions per layer "
                    "under QEMU")
-    p.add_argument("--emulate", action="store_true", help="with --layers: run an SBC board's build under "
-                   "qemu-aarch64 (times labelled emulated)")
+    p.add_argument("--emulate", action="store_true", help="a Linux board's build (rpi4, jetson-*) under user-mode "
+                   "QEMU: exact instructions per inference (per layer with --layers), next to onnxruntime's")
+    p.add_argument("--peers", choices=PEERS, default="auto", help="auto (default): peers that cannot run are left "
+                   "out with one line saying why; require: they stop the bench; none: tinydeploy (and, on the "
+                   "host, onnxruntime) only")
+    p.add_argument("--tflite", metavar="PATH", help="the .tflite twin of the model for LiteRT (or a folder of "
+                   "<model name>.tflite twins); default: M.tflite or tflite/M.tflite beside the model")
     max_weights(p)
     optimize(p)
 
 
 def main(args, ctx) -> int:
+    if args.tflite is not None and (args.layers or args.emulate):
+        raise TinydeployError("--tflite is for `bench` timing here (LiteRT runs in this process), not with --layers "
+                              "or --emulate")
     if args.layers:
         bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads,
                      ctx.max_weights_bytes)
     else:
-        bench(args.models, args.board, args.seconds, args.json, args.threads, ctx.max_weights_bytes, args.optimize)
+        bench(args.models, args.board, args.seconds, args.json, args.threads, ctx.max_weights_bytes, args.optimize,
+              emulate=args.emulate, peers=args.peers, tflite=args.tflite)
     return 0

@@ -91,7 +91,10 @@ def print_run(res: dict) -> None:
         f = res["onnxruntime_fast"]
         print(f"  onnxruntime's fast session: {f['max_lsb']:g} LSB off ({printable(f['note'], 300)})")
     lat, mem = res["latency"], res["memory"]
-    if lat.get("instructions") is not None:
+    if lat.get("fma_lanes") is not None:
+        print(f"latency {lat['instructions']:,} instructions per inference (exact, counted under user-mode QEMU; "
+              f"{lat['simd_fp_instructions']:,} SIMD/FP, {lat['fma_lanes']:,} FMA lanes)")
+    elif lat.get("instructions") is not None:
         print(f"latency {lat['instructions']:,} instructions per inference (exact, QEMU -icount)"
               + (f", >= {lat['median_ms']:.2f} ms at the board's clock" if lat.get("median_ms") else ""))
     elif lat.get("median_ms") is not None:

@@ -2,13 +2,19 @@
 
     base.py         the Runner interface: run(built, feeds, out_specs, runs) -> (outputs, median ms)
     harness.py      the harness's I/O: inputs packed, outputs unpacked, timing lines, run counts
-    local.py        LocalRunner: the harness binary here, natively or under user-mode QEMU
+    local.py        LocalRunner: the harness binary here, natively or under user-mode QEMU (there
+                    also counted: LocalRunner.count)
+    icount.py       exact instruction counts under user-mode QEMU: the TCG plugin
+                    (qemu_count_plugin.c, built into the cache), windows from symbols, per inference
     ssh.py          Remote (ssh/scp to a Linux board), SshRunner, the board's architecture check
     mcu.py          firmware through the serial protocol: QemuSystemRunner, SerialRunner
     qemu_system.py  Emulator: qemu-system-arm with the firmware's UART on a loopback port
     protocol.py     Device: the host side of the firmware's serial protocol
     energy.py       EnergyRunner: a Linux runner with a Jetson's power rails sampled
     capture.py      a capture build's layer tensors and per-layer costs (every runner's capture())
+    litert.py       peer: LiteRT (XNNPACK) on a model's .tflite twin, timed here
+    ort_aarch64.py  peer: onnxruntime's linux-aarch64 library counted under the same QEMU and plugin
+                    (ort_peer_harness.c, compiled against onnxruntime's C API headers at bench time)
 
 select_runner picks the runner for a board. Nothing here imports tinydeploy.flow or commands/."""
 from __future__ import annotations
