@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,8 @@ from tinydeploy.pipeline import Compiled
 from tinydeploy.targets import boards
 from tinydeploy.targets.boards import Board
 from tinydeploy.codegen import kernels as kreg
-from tinydeploy.codegen.cfmt import printable
+from tinydeploy.codegen.cfmt import c_float, printable
+from tinydeploy.firmware import profiles
 from tinydeploy.errors import TinydeployError
 
 MCU_TEMPLATES = kreg.TEMPLATES / "mcu"
@@ -51,21 +51,14 @@ def model_facts(c: Compiled) -> dict:
             "input_bytes": c.input_bytes, "inputs_int8": c.inputs_int8}
 
 
-@lru_cache(maxsize=1)
-def _profiles() -> dict:
-    """firmware_templates/mcu/profiles.json: the MLPerf Tiny profiles and what the harness does for each."""
-    return json.loads((MCU_TEMPLATES / "profiles.json").read_text())
-
-
 def model_id(model_name: str) -> str:
-    """The MLPerf Tiny model id the EnergyRunner expects (kws01, ...), from the file name."""
-    stem = re.split(r"[_.-]", model_name.lower())[0]
-    return _profiles()["file_prefixes"].get(stem, re.sub(r"[^a-z0-9_]", "", stem)[:16] or "model")
+    """The MLPerf Tiny model id the runner expects (kws01, ...), from the file name."""
+    return profiles.model_id(model_name)
 
 
 def profile(model_name: str) -> dict:
-    """What the harness does for the model's profile (profiles.json; {} for other models)."""
-    return _profiles()["profiles"].get(model_id(model_name), {})
+    """What the harness does for the model's profile (profiles.json, defaults filled in)."""
+    return profiles.profile(model_name)
 
 
 # ---- fitting --------------------------------------------------------------------------------
@@ -118,10 +111,10 @@ def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | 
         out[f"src/{n}"] = (MCU_TEMPLATES / n).read_text()
     if bulk_timeout_ms is None:   # QEMU's virtual time runs slower than real time while polling
         bulk_timeout_ms = int((machine.qemu or {}).get("bulk_timeout_ms", 2000))
+    h = profiles.harness_settings(c, board, machine)
     out["src/harness_config.h"] = _render("harness_config.h.j2", dut_name=dut_name or f"tinydeploy {board.id}",
-                                          model_id=model_id(facts["model"]), bulk_timeout_ms=int(bulk_timeout_ms),
-                                          db_subtract_128=int(bool(profile(facts["model"]).get("db_subtract_128"))
-                                                              and facts["inputs_int8"]))
+                                          model_id=h["model_id"], bulk_timeout_ms=int(bulk_timeout_ms), h=h,
+                                          c_float=c_float)
     # Emulating: the machine's memory map, the board's sizes (so the link fails as on the board).
     out["link.ld"] = _render("link.ld.j2", title=title, board_id=board.id,
                              flash_origin=machine.flash_origin, ram_origin=machine.ram_origin,
@@ -139,7 +132,7 @@ def project_files(c: Compiled, board_id, emulate: bool = False, dut_name: str | 
         extras.append("arduino/port_arduino.cpp")
     out["README.md"] = _render("README.md.j2", title=title, board=board, machine=machine, emulate=emulate,
                                facts=facts, port=port, qemu=qemu, upload=upload, extras=extras,
-                               cflags=" ".join(target.cflags), model_id=model_id(facts["model"]))
+                               cflags=" ".join(target.cflags), model_id=h["model_id"], h=h)
     return out
 
 
@@ -235,6 +228,7 @@ class Firmware:
     board: dict          # the board the firmware is for (limits)
     machine: dict        # the board it was built to run on (itself, or its QEMU stand-in)
     memory: dict
+    harness: dict | None = None   # profiles.harness_settings: what the harness prints, its baud, ...
 
 
 def build_firmware(c: Compiled, board_id, outdir=None, emulate: bool = False,
@@ -261,7 +255,7 @@ def build_firmware(c: Compiled, board_id, outdir=None, emulate: bool = False,
             f"of {mem['flash_bytes']:,} B, RAM {mem['ram_used_bytes']:,} of {mem['ram_bytes']:,} B; "
             "quantise the model to int8 (4x smaller) or pick a bigger board")
     (outdir / "memory.json").write_text(json.dumps(mem, indent=1) + "\n")
-    return Firmware(outdir, elf, board, machine, mem)
+    return Firmware(outdir, elf, board, machine, mem, profiles.harness_settings(c, board, machine))
 
 
 # ---- building and running under QEMU -----------------------------------------------------
