@@ -147,6 +147,6 @@ def test_commands_may_end_with_newlines(cdut):
 def test_quit_says_bye_and_the_reset_strategy_brings_the_board_back(cdut):
     cdut.device.quit()
     if cdut.kind == "qemu":
-        assert cdut.transport.emu.wait(30) == 0       # the firmware ended QEMU with exit code 0
+        assert cdut.transport.exit_code(30) == 0      # the firmware ended QEMU with exit code 0
     cdut.reset("quit% ends the firmware")
     serving(cdut)
