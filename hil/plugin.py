@@ -60,8 +60,53 @@ def pytest_configure(config):
                  "mlcommons: the MLCommons runner's flows against the firmware (hil/test_mlcommons.py)"):
         config.addinivalue_line("markers", line)
     config._hil_records = []
+    _one_worker_per_board(config)
     if not hasattr(config, "workerinput"):
         _start_loopback_lab(config)
+
+
+def _one_worker_per_board(config) -> None:
+    """Under xdist every board (inventory board or labgrid place) belongs to one worker: a second
+    worker would wait for a place the first holds, or start a second emulator of the board. So
+    `-n N` alone means --dist loadgroup here, scheduled by board (pytest_xdist_make_scheduler);
+    an explicit other --dist is kept."""
+    if hasattr(config, "workerinput"):
+        return
+    if getattr(config.option, "dist", "no") == "load" and not any(
+            a == "--dist" or a.startswith("--dist=") or a == "-d" for a in config.invocation_params.args):
+        config.option.dist = "loadgroup"
+
+
+def board_of_test(nodeid: str, board_ids) -> str | None:
+    """The board (or place) a test's id names: the longest board id that is a whole
+    '-'-separated part of its parameters (test[lab-a-mps2-an386-kws_dscnn_int8-0] -> lab-a-mps2-an386)."""
+    import re
+    if "[" not in nodeid:
+        return None
+    params = nodeid[nodeid.index("[") + 1:nodeid.rindex("]")]
+    found = [b for b in board_ids if re.search(rf"(^|-){re.escape(b)}(-|$)", params)]
+    return max(found, key=len) if found else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup by board: every test of one board or place goes to one worker. (pytest-xdist
+    3.8's own loadgroup renames items through an attribute pytest 9 no longer reads, so its
+    xdist_group marks alone do not group anything.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    try:
+        hs = _session(config)
+        ids = sorted({e.id for e in hs.entries} | {p.id for p in hs.places})
+    except rig.RigError:
+        ids = []
+
+    class ByBoard(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return board_of_test(nodeid, ids) or nodeid.split("@")[0]
+
+    return ByBoard(config, log)
 
 
 def _wants_lab(config) -> bool:

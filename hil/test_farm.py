@@ -76,3 +76,14 @@ def test_a_place_held_by_someone_else_is_waited_for_then_refused_naming_the_hold
     assert c.places()[farm.LOCK_PLACE].acquired == c.me
     c.release(p.name)
     assert not c.places()[farm.LOCK_PLACE].acquired
+
+
+@pytest.mark.host
+def test_xdist_scheduling_groups_every_test_of_a_board_or_place():
+    from hil.plugin import board_of_test
+    ids = ["mps2-an386", "lab-a-mps2-an386", "lab-b-mps2-an386"]
+    assert board_of_test("hil/test_faults.py::test_bad_crc[lab-a-mps2-an386]", ids) == "lab-a-mps2-an386"
+    assert board_of_test("hil/test_models.py::test_m[lab-b-mps2-an386-kws_dscnn_int8-0]", ids) == "lab-b-mps2-an386"
+    assert board_of_test("hil/test_models.py::test_m[0-mps2-an386-ic_resnet8_int8]", ids) == "mps2-an386"
+    assert board_of_test("hil/test_farm.py::test_lock", ids) is None
+    assert board_of_test("hil/test_mlcommons.py::test_flows[kws_dscnn_int8]", ids) is None
