@@ -222,23 +222,16 @@ class LabgridTransport(rig.Transport):
         return self.place
 
     def _control(self, cmd: str, data: bytes = b"", timeout: float = 120.0) -> str:
-        url = self.acquire().flash_url
-        if not url:
-            raise rig.RigError(f"labgrid place {self.entry.place!r} has no flash port")
-        host, port = url.split("://", 1)[1].rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=timeout) as s:
-            s.sendall(cmd.encode() + b"\n" + data)
-            f = s.makefile("rb")
-            answer = f.readline().decode().strip()
-        if answer.startswith("error"):
-            raise rig.RigError(f"labgrid place {self.entry.place!r}: {cmd.split()[0]}: {answer}")
-        return answer
+        from tinydeploy.errors import TinydeployError
+        try:
+            return self.acquire().control(cmd, data, timeout)
+        except TinydeployError as e:
+            raise rig.RigError(str(e)) from None
 
     def flash(self) -> None:
         place = self.acquire()
         if self.entry.lg_emulated:
-            image = Path(self.app.fw.elf).read_bytes()
-            self._control(f"flash {len(image)}", image)
+            self._control(f"flash {len(image := Path(self.app.fw.elf).read_bytes())}", image)
         elif self.entry.flash:
             rig.run_flash(self.entry, self.app, place.serial_url)
         self.flashed = self.app.model

@@ -5,6 +5,7 @@ lab's places by themselves (marker labgrid)."""
 from __future__ import annotations
 
 import os
+import sys
 import subprocess
 import threading
 import time
@@ -87,3 +88,49 @@ def test_xdist_scheduling_groups_every_test_of_a_board_or_place():
     assert board_of_test("hil/test_models.py::test_m[0-mps2-an386-ic_resnet8_int8]", ids) == "mps2-an386"
     assert board_of_test("hil/test_farm.py::test_lock", ids) is None
     assert board_of_test("hil/test_mlcommons.py::test_flows[kws_dscnn_int8]", ids) is None
+
+
+def _tinydeploy(*args, cwd, env=None):
+    return subprocess.run([sys.executable, "-m", "tinydeploy", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=str(rig.REPO), **(env or {})))
+
+
+@pytest.mark.host
+def test_bench_and_tune_on_a_place_without_labgrid_installed_say_so_in_one_line(tmp_path):
+    fake = tmp_path / "nolabgrid" / "labgrid"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('labgrid is not here')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(rig.REPO), str(fake.parent)])}
+    for verb in ("bench", "tune"):
+        r = subprocess.run([sys.executable, "-m", "tinydeploy", verb, "--lg-place", "bench-1", "m.onnx"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120, env=dict(os.environ, **env))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "labgrid is not installed" in r.stderr
+
+
+@pytest.mark.labgrid
+def test_bench_and_tune_accept_a_labgrid_place(tmp_path):
+    """`tinydeploy bench --lg-place` flashes and times a model on a place of a lab of its own (one
+    lab host with an emulated board: the session's places are held by the rig's workers); an
+    unknown place, and tuning a microcontroller place, are one line and exit code 2."""
+    kws = rig.REPO.parent / "shared" / "models" / "mlperf_tiny" / "kws_dscnn_int8.onnx"
+    if not kws.is_file():
+        pytest.skip(f"{kws} is missing")
+    lab = farm.LoopbackLab(tmp_path / "lab", "mps2-an386", 1).start()
+    try:
+        place = next(iter(lab.places))
+        r = _tinydeploy("bench", "--lg-place", place, "--lg-coordinator", lab.address, "--json", str(kws), cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+        import json
+        row, = json.loads(r.stdout)
+        assert (row["board"], row["place"], row["lab_host"], row["outputs_match"]) == ("mps2-an386", place, "lab-a", True)
+        assert row["median_ms"] > 0
+        assert not lgfarm.client(lab.address).places()[place].acquired        # released at the end
+        for args, said in ((("bench", "--lg-place", "nope"), "no labgrid place named 'nope'"),
+                           (("tune", "--lg-place", place), "mps2-an386 is a microcontroller: nothing to tune")):
+            r = _tinydeploy(*args, "--lg-coordinator", lab.address, str(kws), cwd=tmp_path)
+            assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not lgfarm.client(lab.address).places()[place].acquired
+    finally:
+        lab.stop()
+    assert not lab.alive()

@@ -284,7 +284,7 @@ def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outd
 def measure(model, board, port: str | None, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
             force: bool = False, command: str = "", quiet: bool = False, runs: int | None = None,
             timeout: float = 60.0, energy: bool = False, sysfs_root="/", emulate: bool = False,
-            max_weights_bytes=None) -> dict:
+            max_weights_bytes=None, reuse: bool = False) -> dict:
     """The `run` flow against a board that already runs this model's firmware, over a serial port
     (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests). Linux boards are
     measured on this machine instead (natively on the board itself, or with --emulate), with
@@ -303,7 +303,7 @@ def measure(model, board, port: str | None, inputs=None, seed: int = 0, input_sh
         raise TinydeployError(f"{board_id} is a microcontroller: give its serial port with --port (/dev/ttyACM0, or "
                               "a pyserial URL)")
     runner = runners.select_runner(board, port=port, timeout=timeout)
-    b = build(model, board, outdir, force, input_shapes, command, quiet=quiet, max_weights_bytes=max_weights_bytes)
+    b = build(model, board, outdir, force, input_shapes, command, quiet=quiet, reuse=reuse, max_weights_bytes=max_weights_bytes)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]

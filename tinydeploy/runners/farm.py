@@ -94,6 +94,29 @@ class Place:
         r = self._serial(None)
         return int(r["speed"]) if r and r.get("speed") else None
 
+    def control(self, cmd: str, data: bytes = b"", timeout: float = 120.0) -> str:
+        """One command to the place's programming port (the NetworkSerialPort named `flash` of an
+        emulated board, hil/emulated_board.py): `flash N` + N image bytes, `reset`, `kill`,
+        `status`; the one-line answer ("error ..." becomes a TinydeployError)."""
+        import socket
+        url = self.flash_url
+        if not url:
+            raise TinydeployError(f"labgrid place {self.name!r} has no flash port (flash the board with its own "
+                                  "tool, e.g. tinydeploy flash --port, before using it)")
+        host, port = url.split("://", 1)[1].rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout) as s:
+                s.sendall(cmd.encode() + b"\n" + data)
+                answer = s.makefile("rb").readline().decode("ascii", "replace").strip()
+        except OSError as e:
+            raise TinydeployError(f"labgrid place {self.name!r}: its flash port {url} does not answer: {e}") from None
+        if not answer or answer.startswith("error"):
+            raise TinydeployError(f"labgrid place {self.name!r}: {cmd.split()[0]}: {printable(answer, 200) or 'no answer'}")
+        return answer
+
+    def flash(self, image: bytes) -> None:
+        self.control(f"flash {len(image)}", image)
+
     @property
     def ssh_target(self) -> tuple[str, int | None]:
         """(user@host, port) of the place's NetworkService (a Linux board reached over ssh)."""
