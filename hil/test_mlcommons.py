@@ -2,9 +2,10 @@
 through a pty (hil/mlcommons_shim.py's bridge, which the real runner uses too), on the board its
 device lists describe: the NUCLEO-L4R5ZI (`l4r5zi`, emulated at its own 120 MHz clock).
 
-CI cannot fetch the runner, so by default its checks are re-implemented from its documented
-behaviour (hil/mlcommons.py); `--mlcommons-runner DIR` (a checkout's benchmark/runner) runs the
-real runner, unchanged, through the shim instead (hil/LAB.md says how). Both must find: the
+CI cannot fetch the runner (mlcommons/tiny), so this test keeps its checks re-implemented from
+its source and documentation (hil/mlcommons.py; none of its code is here). The real runner,
+unchanged, was run through hil/mlcommons_shim.py against the same firmware for the four models
+(hil/LAB.md, "The MLCommons runner": how, and what it reported). Both must find: the
 board identified, every reply within the runner's timeouts, a performance loop of at least 10 s
 of host time (the bridge paces infer replies to the board's own timestamps, --realtime), the
 throughput of `tinydeploy run` at the board's clock, and the accuracy and AUC that the

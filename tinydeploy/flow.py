@@ -144,7 +144,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
             import json
             from tinydeploy import firmware
             fw = firmware.Firmware(outdir, artifact, board, board.emulator() if emulate else board,
-                                   json.loads((outdir / "memory.json").read_text()))
+                                   json.loads((outdir / "memory.json").read_text()), previous["summary"].get("harness"))
         return BuildResult(outdir, artifact, None, True, previous["summary"], fw)
     log(f"compiling {printable(model.name)} for {board.id}{' (emulated)' if emulate else ''}")
     c = compile_model(model, target, input_shapes, command=command, board=board.id, threads=threads,
@@ -167,6 +167,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
     summary = _summary(model, board.id, outdir, c, sorted(hashes))
     if fw is not None:
         summary["firmware"] = {k: v for k, v in fw.memory.items() if k != "sections"}
+        summary["harness"] = fw.harness          # what a reused build's Firmware needs back
         summary["elf"] = str(fw.elf)
     # The key goes in last, so an interrupted build is never taken for an up-to-date one.
     bld.write_marker(outdir, "firmware" if board.is_mcu else "host", hashes, key=key,

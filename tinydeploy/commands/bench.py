@@ -201,7 +201,7 @@ def add_parser(sub) -> None:
     from tinydeploy.commands.common import labgrid_place, max_weights, threads
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
     p.add_argument("models", nargs="+")
-    p.add_argument("--board", default="host")
+    p.add_argument("--board", help="board id (default host; with --lg-place the place's board)")
     p.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement (default 1 s)")
     p.add_argument("--json", action="store_true")
     threads(p)
@@ -222,8 +222,8 @@ def main(args, ctx) -> int:
         bench_place(args.models, args.board, args.lg_place, args.lg_coordinator, args.lg_wait, args.json,
                     ctx.max_weights_bytes)
     elif args.layers:
-        bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads,
+        bench_layers(args.models, args.board or "host", args.seconds, args.json, args.emulate, args.threads,
                      ctx.max_weights_bytes)
     else:
-        bench(args.models, args.board, args.seconds, args.json, args.threads, ctx.max_weights_bytes)
+        bench(args.models, args.board or "host", args.seconds, args.json, args.threads, ctx.max_weights_bytes)
     return 0

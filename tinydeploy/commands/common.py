@@ -50,7 +50,7 @@ def place_board(place, board: str | None) -> str:
     if not tag:
         raise TinydeployError(f"labgrid place {printable(place.name)!r} has no tag board=<id> (labgrid-client -p "
                               f"{printable(place.name)} set-tags board=<id>)")
-    if board not in (None, "host", tag):
+    if board is not None and board != tag:
         raise TinydeployError(f"labgrid place {printable(place.name)!r} holds board {printable(tag)}, not {board}: "
                               "drop --board or name another place")
     return tag

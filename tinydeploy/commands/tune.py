@@ -11,7 +11,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("tune", help="measure kernel candidates per layer shape, keep the fastest in the "
                        "target's tuning database")
     p.add_argument("models", nargs="+")
-    p.add_argument("--board", default="host")
+    p.add_argument("--board", help="board id (default host; with --lg-place the place's board)")
     p.add_argument("--db", help="tuning database file (default tinydeploy/schedule/tuning/<target>-<isa>.json)")
     p.add_argument("--jobs", type=int, help="parallel candidate builds (default: CPU count)")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 def main(args, ctx: Context) -> int:
     from tinydeploy.schedule.tuner import tune
     if not args.lg_place:
-        tune(args.models, args.board, args.db, args.jobs, args.resume, args.seconds, args.ssh, args.port,
+        tune(args.models, args.board or "host", args.db, args.jobs, args.resume, args.seconds, args.ssh, args.port,
              args.identity, max_weights_bytes=ctx.max_weights_bytes)
         return 0
     from tinydeploy import flow
