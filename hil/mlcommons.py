@@ -60,9 +60,10 @@ class DataSet:
     classes: int
 
 
-def make_dataset(app, folder: Path, n_files: int, seed: int = 0) -> DataSet:
+def make_dataset(app, folder: Path, n_files: int, seed: int = 0, ad_windows: int = 3) -> DataSet:
     """Seeded files for the app's model, in the runner's layout (folder/<model id>/y_labels.csv:
-    file, classes, class, bytes_to_send, stride), labelled round robin over the classes."""
+    file, classes, class, bytes_to_send, stride), labelled round robin over the classes; AD files
+    hold `ad_windows` windows each."""
     h = app.fw.harness
     mid = h["model_id"]
     out = Path(folder) / mid
@@ -74,7 +75,7 @@ def make_dataset(app, folder: Path, n_files: int, seed: int = 0) -> DataSet:
     for i in range(n_files):
         name = f"{mid}_{i:03d}.bin"
         if h["db_float32"]:
-            n_win = 3
+            n_win = ad_windows
             x = rng.normal(0.0, 4.0 + 8.0 * (i % 2), (n_in + (n_win - 1) * AD_STRIDE // 4)).astype(np.float32)
             data = x.tobytes()
             wins = [data[k * AD_STRIDE:k * AD_STRIDE + 4 * n_in] for k in range(n_win)]

@@ -39,6 +39,8 @@ def pytest_addoption(parser):
     g.addoption("--soak", type=int, default=5, metavar="N",
                 help="inferences per model in test_soak.py (default 5; raise it on hardware)")
     g.addoption("--hil-seed", type=int, default=0, metavar="SEED", help="seed of the random inputs")
+    g.addoption("--mlcommons-full", action="store_true",
+                help="hil/test_mlcommons.py: also VWW's runner flows (about 10 minutes of hex downloads under QEMU)")
     g.addoption("--lg-place", action="append", default=None, metavar="NAME",
                 help="test the board of this labgrid place (repeatable; hil/LAB.md); the coordinator is "
                      "--lg-coordinator or $LG_COORDINATOR")

@@ -30,6 +30,12 @@ def test_garbage_bytes(cdut):
     d.write(b"%")
     d.drain(quiet=1.0, limit=30)
     d.resync()
+    # on a loaded machine, and through a lab host's extra hop, the board may still be reading the
+    # junk after a second of quiet: each '%' in it ends a "command longer than 80 characters"
+    for _ in range(5):
+        if not errors(d.command("name", check=False)):
+            break
+        d.drain(quiet=1.0, limit=30)
     serving(cdut)
 
 

@@ -20,7 +20,12 @@ from hil.mlcommons_shim import PtyBridge, present_as_usb
 
 BOARD = "nucleo-l4r5zi"
 MODELS = ["kws_dscnn_int8", "ic_resnet8_int8", "vww_mobilenetv1_int8", "ad_autoencoder_int8"]
-FILES = {"kws01": 12, "ic01": 10, "vww01": 5, "ad01": 6}
+# accuracy needs every class among the labels (the AUC); AD: one file per class, two windows each.
+# Every file goes through the runner's hex download (31 bytes per command), which the emulated
+# UART takes at about 1 KB of hex per second: VWW's 27 KB images cost about a minute each, so
+# its flows run only with --mlcommons-full (the real runner's run on VWW: hil/LAB.md).
+FILES = {"kws01": 12, "ic01": 10, "vww01": 5, "ad01": 2}
+AD_WINDOWS = 2
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +39,13 @@ def l4r5zi(hil):
 @pytest.mark.mlcommons
 @pytest.mark.xdist_group("mlcommons")
 @pytest.mark.parametrize("model", MODELS)
-def test_runner_flows_complete_and_agree(l4r5zi, model, hil, tmp_path_factory, tmp_path, record):
+def test_runner_flows_complete_and_agree(l4r5zi, model, hil, tmp_path_factory, tmp_path, record, request):
+    if model.startswith("vww") and not request.config.getoption("--mlcommons-full"):
+        pytest.skip("VWW's runner flows download 10 images of 27 KB as hex, about 10 minutes under QEMU: "
+                    "--mlcommons-full runs them (hil/LAB.md has the real runner's run on VWW)")
     app = hil.cache(tmp_path_factory).get(l4r5zi, model)
     h = app.fw.harness
-    ds = mlcommons.make_dataset(app, tmp_path / "datasets", FILES[h["model_id"]])
+    ds = mlcommons.make_dataset(app, tmp_path / "datasets", FILES[h["model_id"]], ad_windows=AD_WINDOWS)
     want = mlcommons.expected_values(app, ds)
     t = rig.QemuTransport(app.fw)
     dev = t.open()
