@@ -119,16 +119,18 @@ def dut_vid_pid(device_list: str) -> tuple[int, int]:
 
 
 def present_as_usb(path: str, vid: int, pid: int) -> None:
-    """Makes serial.tools.list_ports.comports() also list `path` as a USB port VID:PID."""
+    """Makes serial.tools.list_ports.comports() also list `path` as a USB port VID:PID (only the
+    latest `path`: a second call replaces the first)."""
     from serial.tools import list_ports, list_ports_common
     info = list_ports_common.ListPortInfo(path, skip_link_detection=True)
     info.vid, info.pid = vid, pid
     info.description = f"tinydeploy board on {path} (mlcommons_shim)"
     info.serial_number = "tinydeploy-shim"
-    real = list_ports.comports
+    real = getattr(list_ports.comports, "shim_real", list_ports.comports)   # replaces an earlier call's pty
 
     def comports(include_links=False):
         return [p for p in real(include_links) if p.device != path] + [info]
+    comports.shim_real = real
     list_ports.comports = comports
     try:
         import usb.core
