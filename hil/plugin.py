@@ -41,18 +41,133 @@ def pytest_addoption(parser):
     g.addoption("--hil-seed", type=int, default=0, metavar="SEED", help="seed of the random inputs")
     g.addoption("--protofuzz", type=int, default=40, metavar="N",
                 help="faults per board in test_protocol_fuzz.py (default 40; seeded by --hil-seed)")
+    g.addoption("--mlcommons-full", action="store_true",
+                help="hil/test_mlcommons.py: also VWW's runner flows (about 10 minutes of hex downloads under QEMU)")
+    g.addoption("--lg-place", action="append", default=None, metavar="NAME",
+                help="test the board of this labgrid place (repeatable; hil/LAB.md); the coordinator is "
+                     "--lg-coordinator or $LG_COORDINATOR")
+    g.addoption("--lg-tag", action="append", default=None, metavar="KEY=VALUE",
+                help="test every labgrid place with these tags, e.g. board=nano33ble (repeatable: all must match)")
+    g.addoption("--lg-wait", type=float, default=300.0, metavar="S",
+                help="seconds to wait for a place someone else holds before refusing (default 300)")
+    g.addoption("--lg-loopback", type=int, default=2, metavar="N",
+                help="with an emulated board selected: start a labgrid coordinator and N lab hosts on "
+                     "127.0.0.1, each exporting an emulated board as a place, and run the protocol, model and "
+                     "fault tests through them too (marker labgrid; default 2, 0: off)")
 
 
 def pytest_configure(config):
     for line in ("host: needs no board and no emulator (the hil rig's own logic)",
                  "qemu: runs on a QEMU-emulated board (hil)",
-                 "hardware: runs on a real board over a serial port (hil)"):
+                 "hardware: runs on a real board over a serial port (hil)",
+                 "labgrid: goes through a labgrid place (hil/LAB.md)",
+                 "mlcommons: the MLCommons runner's flows against the firmware (hil/test_mlcommons.py)"):
         config.addinivalue_line("markers", line)
     config._hil_records = []
+    _one_worker_per_board(config)
+    if not hasattr(config, "workerinput"):
+        _start_loopback_lab(config)
+
+
+def _one_worker_per_board(config) -> None:
+    """Under xdist every board (inventory board or labgrid place) belongs to one worker: a second
+    worker would wait for a place the first holds, or start a second emulator of the board. So
+    `-n N` alone means --dist loadgroup here, scheduled by board (pytest_xdist_make_scheduler);
+    an explicit other --dist is kept."""
+    if hasattr(config, "workerinput"):
+        return
+    if getattr(config.option, "dist", "no") == "load" and not any(
+            a == "--dist" or a.startswith("--dist=") or a == "-d" for a in config.invocation_params.args):
+        config.option.dist = "loadgroup"
+
+
+def board_of_test(nodeid: str, board_ids) -> str | None:
+    """The board (or place) a test's id names: the longest board id that is a whole
+    '-'-separated part of its parameters (test[lab-a-mps2-an386-kws_dscnn_int8-0] -> lab-a-mps2-an386)."""
+    import re
+    if "[" not in nodeid:
+        return None
+    params = nodeid[nodeid.index("[") + 1:nodeid.rindex("]")]
+    found = [b for b in board_ids if re.search(rf"(^|-){re.escape(b)}(-|$)", params)]
+    return max(found, key=len) if found else None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup by board: every test of one board or place goes to one worker. (pytest-xdist
+    3.8's own loadgroup renames items through an attribute pytest 9 no longer reads, so its
+    xdist_group marks alone do not group anything.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+    try:
+        hs = _session(config)
+        ids = sorted({e.id for e in hs.entries} | {p.id for p in hs.places})
+    except rig.RigError:
+        ids = []
+
+    class ByBoard(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return board_of_test(nodeid, ids) or nodeid.split("@")[0]
+
+    return ByBoard(config, log)
+
+
+def _wants_lab(config) -> bool:
+    """The loopback lab is started unless no labgrid test can run (-m host, -m "not labgrid", ...)."""
+    if config.getoption("--lg-loopback") <= 0 or config.getoption("--lg-place") or config.getoption("--lg-tag"):
+        return False
+    expr = config.getoption("markexpr") or ""
+    if expr:
+        from _pytest.mark.expression import Expression
+        if not Expression.compile(expr).evaluate(lambda name: name in ("labgrid", "qemu")):
+            return False
+    try:
+        inv = rig.load_inventory(config.getoption("--inventory"))
+        entries = rig.select_boards(inv, config.getoption("--board") or ["mps2-an386"])
+    except rig.RigError:
+        return False
+    return any(e.transport == "qemu" and e.board.is_qemu_machine for e in entries)
+
+
+def _start_loopback_lab(config) -> None:
+    """The CI lab: a coordinator and N lab hosts on 127.0.0.1 (hil/farm.py), started once by the
+    controlling process and shared with the xdist workers (pytest_configure_node)."""
+    if not _wants_lab(config):
+        return
+    import tempfile
+    from hil import farm
+    inv = rig.load_inventory(config.getoption("--inventory"))
+    board = next(e for e in rig.select_boards(inv, config.getoption("--board") or ["mps2-an386"])
+                 if e.transport == "qemu" and e.board.is_qemu_machine)
+    lab = farm.LoopbackLab(Path(tempfile.mkdtemp(prefix="tinydeploy-hil-lab-")), board.manifest,
+                           config.getoption("--lg-loopback"))
+    try:
+        config._hil_lab = lab.start()
+    except rig.RigError as e:
+        config._hil_lab_error = e
+        return
+    config._hil_lab_info = lab.info()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist: every worker gets the loopback lab's coordinator and places."""
+    info = getattr(node.config, "_hil_lab_info", None)
+    if info:
+        node.workerinput["hil_lab"] = info
 
 
 def pytest_unconfigure(config):
     kill_left_behind()                    # also after Ctrl-C or an internal error
+    from tinydeploy.runners import farm as lgfarm
+    lgfarm.close_all()                    # every labgrid place this process holds goes back
+    lab = getattr(config, "_hil_lab", None)
+    if lab is not None:
+        lab.stop()
+        left = lab.alive()
+        if left:
+            config.get_terminal_writer().line(f"hil: processes of the labgrid lab still running: {left}", red=True)
 
 
 # ---- the session ------------------------------------------------------------------------------
@@ -67,6 +182,11 @@ class HilSession:
         self.inventory_path = Path(opt("--inventory"))
         self.inventory = rig.load_inventory(self.inventory_path)
         self.entries = rig.select_boards(self.inventory, opt("--board") or ["mps2-an386"], self.inventory_path)
+        self.lab = getattr(config, "workerinput", {}).get("hil_lab") or getattr(config, "_hil_lab_info", None)
+        self.lg_address = opt("lg_coordinator") if config.pluginmanager.hasplugin("labgrid") else None
+        self.places = self._places(opt("--lg-place"), opt("--lg-tag"))
+        if opt("--lg-place") or opt("--lg-tag"):
+            self.entries = list(self.places)          # the farm's boards replace the inventory's
         if opt("--port") and sum(e.transport == "serial" for e in self.entries) != 1:
             raise rig.RigError("--port names one real board's port: select exactly one serial board with --board")
         self.models_dir = Path(opt("--models-dir"))
@@ -75,6 +195,29 @@ class HilSession:
         self._cache = None
         self._live: dict[str, rig.Dut] = {}
         self._budgets = None
+
+    def _places(self, names, tags) -> list[rig.BoardEntry]:
+        """The labgrid places to test: --lg-place / --lg-tag at the coordinator, else the loopback lab's."""
+        from hil import farm
+        if not names and not tags:
+            if self.lab:
+                self.lg_address = self.lab["address"]
+                return [farm.place_entry(p, {"board": self.lab["board"], "kind": "qemu"}, self.inventory)
+                        for p in self.lab["places"]]
+            err = getattr(self.config, "_hil_lab_error", None)
+            if err is not None:
+                raise err
+            return []
+        from tinydeploy.errors import TinydeployError
+        from tinydeploy.runners import farm as lgfarm
+        try:
+            c = lgfarm.client(self.lg_address)
+            t = lgfarm.parse_tags(tags)
+            found = sorted({n for name in (names or [None]) for n in c.match(name, t)})
+            places = c.places()
+            return [farm.place_entry(n, dict(places[n].tags), self.inventory) for n in found]
+        except TinydeployError as e:
+            raise rig.RigError(str(e)) from None
 
     def models(self, entry: rig.BoardEntry) -> list[str]:
         if entry.id not in self._models:
@@ -86,6 +229,9 @@ class HilSession:
                 fit, skipped = rig.models_that_fit(entry, rig.DEFAULT_MODELS, self.models_dir)
                 self._models[entry.id], self.not_fitting[entry.id] = fit, skipped
         return self._models[entry.id]
+
+    def entry(self, board_id: str) -> rig.BoardEntry | None:
+        return self.inventory.get(board_id) or next((p for p in self.places if p.id == board_id), None)
 
     def conformance_model(self, entry: rig.BoardEntry) -> str:
         models = self.models(entry)
@@ -115,7 +261,17 @@ class HilSession:
             live.close()
             del self._live[entry.id]
         app = self.cache(tmp_path_factory).get(entry, model)
-        transport = rig.make_transport(entry, app, self.config.getoption("--port"))
+        if entry.transport == "labgrid":
+            from hil import farm
+            transport = getattr(self, "_lg_transports", {}).get(entry.id)
+            if transport is None:         # one per place: it holds the place until the session ends
+                tw = self.config.get_terminal_writer()
+                transport = farm.LabgridTransport(entry, app, self.lg_address, self.config.getoption("--lg-wait"),
+                                                  say=lambda m: tw.line(m))
+                self.__dict__.setdefault("_lg_transports", {})[entry.id] = transport
+            transport.app = app
+        else:
+            transport = rig.make_transport(entry, app, self.config.getoption("--port"))
         d = rig.Dut(app, transport)
         if entry.transport == "serial" and entry.flash:
             rig.run_flash(entry, app, rig.flash_port(entry, self.config.getoption("--port")))
@@ -126,6 +282,8 @@ class HilSession:
         for d in self._live.values():
             d.close()
         self._live.clear()
+        for t in getattr(self, "_lg_transports", {}).values():
+            t.release()                   # the place goes back to the coordinator, also after failures
 
 
 def _session(config) -> HilSession:
@@ -135,6 +293,9 @@ def _session(config) -> HilSession:
 
 
 RIG_ERROR = "rig-setup-error"
+# what runs through the loopback lab's places beside the inventory's boards (--lg-place/--lg-tag:
+# every module runs on the places)
+LABGRID_MODULES = {"test_protocol_conformance", "test_models", "test_faults"}
 
 
 def pytest_generate_tests(metafunc):
@@ -143,7 +304,9 @@ def pytest_generate_tests(metafunc):
         return
     try:
         hs = _session(metafunc.config)
-        pairs = [(e.id, m) for e in hs.entries for m in hs.models(e)] if "model" in names else None
+        mod = metafunc.module.__name__.rsplit(".", 1)[-1]
+        entries = hs.entries + [p for p in hs.places if p not in hs.entries and mod in LABGRID_MODULES]
+        pairs = [(e.id, m) for e in entries for m in hs.models(e)] if "model" in names else None
     except rig.RigError as e:
         # a set-up problem (inventory, models): every board test errors with it at setup, while
         # `-m host` still runs the rig's own tests
@@ -153,7 +316,7 @@ def pytest_generate_tests(metafunc):
     if "model" in names:
         metafunc.parametrize(["board_id", "model"], pairs, ids=[f"{b}-{m}" for b, m in pairs], scope="module")
     else:
-        ids = [e.id for e in hs.entries] if hs else [RIG_ERROR]
+        ids = [e.id for e in entries] if hs else [RIG_ERROR]
         metafunc.parametrize("board_id", ids, ids=ids, scope="module")
 
 
@@ -162,10 +325,15 @@ def pytest_collection_modifyitems(config, items):
     hs = getattr(config, "_hil_session", None)
     for item in items:
         cs = getattr(item, "callspec", None)
-        if cs is None or "board_id" not in cs.params or hs is None or cs.params["board_id"] not in hs.inventory:
+        if cs is None or "board_id" not in cs.params or hs is None:
             continue
-        entry = hs.inventory[cs.params["board_id"]]
-        item.add_marker("qemu" if entry.transport == "qemu" else "hardware")
+        entry = hs.entry(cs.params["board_id"])
+        if entry is None:
+            continue
+        item.add_marker("qemu" if entry.emulated else "hardware")
+        if entry.transport == "labgrid":
+            item.add_marker("labgrid")
+            item.user_properties.append(("hil_place", entry.place))
         item.add_marker(pytest.mark.xdist_group(entry.id))     # --dist loadgroup: one worker per board
         item.user_properties.append(("hil_board", entry.id))
         item.user_properties.append(("hil_transport", entry.transport))
@@ -197,13 +365,15 @@ def hil(request):
 
 @pytest.fixture
 def entry(hil, board_id) -> rig.BoardEntry:
-    return hil.inventory[board_id]
+    return hil.entry(board_id)
 
 
 def _use_dut(request, d: rig.Dut) -> rig.Dut:
     d.begin_test()
     request.node._hil_logs = getattr(request.node, "_hil_logs", []) + [d.full_log]
     d.ready()
+    if hasattr(d.transport, "where"):     # a labgrid place: which lab host ran the test
+        request.node.user_properties.append(("hil_lab_host", d.transport.where()["lab_host"]))
     if d.kind == "serial" and not d.entry.flash and not getattr(d, "_model_checked", False):
         running = d.device.profile()["model"]
         if running != d.app.model_id:

@@ -64,6 +64,8 @@ class BoardEntry:
     boot_timeout_s: float = 60.0
     reappear_timeout_s: float = 10.0
     notes: str = ""
+    place: str | None = None          # transport labgrid: the place (hil/farm.py), not in inventories
+    lg_emulated: bool = False         # ... whose board is emulated (tag kind=qemu)
 
     @property
     def board(self):
@@ -71,7 +73,7 @@ class BoardEntry:
 
     @property
     def emulated(self) -> bool:
-        return self.transport == "qemu"
+        return self.transport == "qemu" or self.lg_emulated
 
 
 def _where(path, name=None) -> str:
@@ -486,6 +488,10 @@ class QemuTransport(Transport):
         if self.emu is not None:
             self.emu.kill()
 
+    def exit_code(self, timeout: float) -> int | None:
+        """QEMU's exit code once the firmware ended it (quit%), None if it still runs."""
+        return self.emu.wait(timeout) if self.emu is not None else None
+
     def extra_log(self) -> str:
         text = self.emu.messages() if self.emu is not None else self._last_output
         return text and "QEMU said: " + text
@@ -505,6 +511,7 @@ class SerialTransport(Transport):
         self.cli_port = port
         self.list_ports = list_ports
         self.flasher = flasher            # callable(port) that flashes the current app, or None
+        self.baud = None                  # the firmware's rate (its profile's), over the inventory's
         self.dev = None
         self.port = None
 
@@ -523,7 +530,8 @@ class SerialTransport(Transport):
         self.close()
         self.port = self._port()
         e = self.entry
-        self.dev = mcu.open_serial(self.port, e.baud, e.timeout_s, e.boot_timeout_s, e.reappear_timeout_s, resync=True)
+        self.dev = mcu.open_serial(self.port, self.baud or e.baud, e.timeout_s, e.boot_timeout_s, e.reappear_timeout_s,
+                                   resync=True)
         return self.dev
 
     def touch(self, baud: int = 1200) -> None:
@@ -677,7 +685,9 @@ def make_transport(entry: BoardEntry, app: App, cli_port: str | None = None, lis
     if entry.transport == "qemu":
         return QemuTransport(app.fw, entry.timeout_s, entry.boot_timeout_s)
     flasher = (lambda port: run_flash(entry, app, flash_port(entry, cli_port, list_ports))) if entry.flash else None
-    return SerialTransport(entry, cli_port, list_ports, flasher)
+    t = SerialTransport(entry, cli_port, list_ports, flasher)
+    t.baud = (app.fw.harness or {}).get("baud")
+    return t
 
 
 def to_json(obj) -> str:

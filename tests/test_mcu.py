@@ -135,6 +135,7 @@ def test_arduino_port_compiles_against_the_arduino_api(tmp_path):
         "#include <stdint.h>\n#include <stddef.h>\n"
         "struct SerialStub { void begin(unsigned long); operator bool(); size_t write(uint8_t);"
         " int available(); int read(); void flush(); };\nextern SerialStub Serial;\nunsigned long micros(void);\n")
+    (tmp_path / "harness_config.h").write_text("/* no profile: the port's defaults */\n")
     r = subprocess.run([gxx, "-fsyntax-only", "-Wall", "-Wextra", "-Werror", f"-I{tmp_path}",
                         f"-I{firmware.MCU_TEMPLATES}", str(firmware.MCU_TEMPLATES / "port_arduino.cpp")],
                        capture_output=True, text=True)
@@ -255,11 +256,12 @@ def test_mps2_instruction_counter_is_exact_at_every_timer_phase(toolchain, tmp_p
     board = boards.get_board("mps2-an386")
     src = firmware.MCU_TEMPLATES
     (tmp_path / "probe.c").write_text(COUNTER_PROBE)
+    (tmp_path / "harness_config.h").write_text("/* no profile: the port's defaults */\n")
     (tmp_path / "link.ld").write_text(firmware._render("link.ld.j2", title="probe", board_id="mps2-an386",
                                                   flash_origin=0, ram_origin=0x20000000, flash_bytes=1 << 20,
                                                   ram_bytes=1 << 20, stack_bytes=4096))
     t = get_target("cortex-m4")
-    r = subprocess.run([t.compiler(), *t.cflags, f"-I{src}", "-nostartfiles", "--specs=nano.specs", "-T", "link.ld",
+    r = subprocess.run([t.compiler(), *t.cflags, f"-I{src}", f"-I{tmp_path}", "-nostartfiles", "--specs=nano.specs", "-T", "link.ld",
                         "-o", "probe.elf", "probe.c", str(src / "startup_cortex_m.c"), str(src / "port_mps2.c")],
                        cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -189,7 +189,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
             import json
             from tinydeploy import firmware
             fw = firmware.Firmware(outdir, artifact, board, board.emulator() if emulate else board,
-                                   json.loads((outdir / "memory.json").read_text()))
+                                   json.loads((outdir / "memory.json").read_text()), previous["summary"].get("harness"))
         return BuildResult(outdir, artifact, None, True, previous["summary"], fw)
     log(f"compiling {printable(model.name)} for {board.id}{' (emulated)' if emulate else ''}")
     c = compile_model(model, target, input_shapes, command=command, board=board.id, threads=threads,
@@ -216,6 +216,7 @@ def build(model, board="host", outdir=None, force: bool = False, input_shapes=No
     summary["weights_layout"] = layout
     if fw is not None:
         summary["firmware"] = {k: v for k, v in fw.memory.items() if k != "sections"}
+        summary["harness"] = fw.harness          # what a reused build's Firmware needs back
         summary["elf"] = str(fw.elf)
     # The key goes in last, so an interrupted build is never taken for an up-to-date one.
     bld.write_marker(outdir, "firmware" if board.is_mcu else "host", hashes, key=key,
@@ -478,7 +479,7 @@ def run(model, board="host", inputs=None, seed: int = 0, input_shapes=None, outd
 def measure(model, board, port: str | None, inputs=None, seed: int = 0, input_shapes=None, outdir=None,
             force: bool = False, command: str = "", quiet: bool = False, runs: int | None = None,
             timeout: float = 60.0, energy: bool = False, sysfs_root="/", emulate: bool = False,
-            max_weights_bytes=None) -> dict:
+            max_weights_bytes=None, reuse: bool = False) -> dict:
     """The `run` flow against a board that already runs this model's firmware, over a serial port
     (any pyserial URL: /dev/ttyACM0, or socket://127.0.0.1:N for QEMU in tests). Linux boards are
     measured on this machine instead (natively on the board itself, or with --emulate), with
@@ -498,7 +499,7 @@ def measure(model, board, port: str | None, inputs=None, seed: int = 0, input_sh
         raise TinydeployError(f"{board_id} is a microcontroller: give its serial port with --port (/dev/ttyACM0, or "
                               "a pyserial URL)")
     runner = runners.select_runner(board, port=port, timeout=timeout)
-    b = build(model, board, outdir, force, input_shapes, command, quiet=quiet, max_weights_bytes=max_weights_bytes)
+    b = build(model, board, outdir, force, input_shapes, command, quiet=quiet, reuse=reuse, max_weights_bytes=max_weights_bytes)
     specs = io_specs(b.summary, "inputs")
     feeds = load_inputs(Path(inputs), specs) if inputs else reference.random_inputs(specs, seed)
     out_specs = [(shape, dt) for _, shape, dt in io_specs(b.summary, "outputs")]

@@ -8,12 +8,19 @@
  *   profile%           m-profile-[ULPMark for tinyML Firmware V0.0.1], m-model-[<id>]
  *   timestamp%         m-lap-us-<u32>
  *   db load N%         m-[Expecting N bytes]; then db <hex>% chunks until m-load-done (with
- *                      TD_DB_SUBTRACT_128, each byte is taken as uint8 and stored as int8 v - 128)
+ *                      TD_DB_SUBTRACT_128, each byte is taken as uint8 and stored as int8 v - 128;
+ *                      with TD_DB_FLOAT32 the bytes are little-endian float32 values, N a multiple
+ *                      of 4, each quantised into the input as QuantizeLinear does)
  *   db print%          m-buffer-<hex> lines (32 bytes each) of the input buffer
  *   infer N W%         m-warmup-start-W, m-warmup-done, m-infer-start-N, m-lap-us-<t0>,
  *                      m-lap-us-<t1>, m-infer-done, m-results-[...]; 1 <= N <= TD_INFER_MAX and
  *                      W <= TD_INFER_MAX (a device busy for 2^32 runs would be deaf until reset)
- *   results%           m-results-[...] of the last inference (%0.3f for float outputs)
+ *   results%           m-results-[...] of the last inference, %0.3f: float outputs as they are,
+ *                      8-bit outputs dequantised (TD_OUT_SCALES); with TD_RESULTS_MSE one value,
+ *                      the mean squared error between output 0 dequantised and the float32 input
+ * These follow what the open MLCommons runner expects (firmware_templates/mcu/profiles.json);
+ * m-lap-us-N is the port's port_us(): the board's microseconds (under QEMU, those of the
+ * emulated board's clock, TD_US_CLOCK_HZ).
  * Extensions:
  *   bload N CRC%       binary load: m-bload-ready-N, then exactly N raw bytes whose CRC-32
  *                      (IEEE, as zlib.crc32) is CRC in hex; m-load-done or e-[crc ...]. A pause
@@ -59,6 +66,19 @@
 #endif
 #ifndef TD_BULK_TIMEOUT_MS
 #define TD_BULK_TIMEOUT_MS 2000u
+#endif
+#ifndef TD_RESULTS_DEQUANTISE
+#define TD_RESULTS_DEQUANTISE 0
+#endif
+#ifndef TD_RESULTS_MSE
+#define TD_RESULTS_MSE 0
+#endif
+#ifndef TD_DB_FLOAT32
+#define TD_DB_FLOAT32 0
+#endif
+#define TD_FLOAT_WINDOW (TD_RESULTS_MSE || TD_DB_FLOAT32)
+#if TD_FLOAT_WINDOW && !defined(TD_IN_SCALE)
+#error "TD_RESULTS_MSE and TD_DB_FLOAT32 need the input's TD_IN_SCALE, TD_IN_ZERO_POINT, TD_IN_LO, TD_IN_HI"
 #endif
 
 #ifndef TD_INFER_MAX
@@ -146,6 +166,17 @@ static union {
     unsigned char bytes[TD_IN_TOTAL];
     double align_;
 } td_in;
+
+#if TD_RESULTS_DEQUANTISE
+/* Per output: scale and zero point of an 8-bit output (scale 0: printed as stored). */
+static const float td_out_scale[TD_NUM_OUTPUTS] = TD_OUT_SCALES;
+static const int32_t td_out_zp[TD_NUM_OUTPUTS] = TD_OUT_ZERO_POINTS;
+#endif
+#if TD_FLOAT_WINDOW
+/* The float32 input window (AD): what db load sent, or a binary load's input dequantised. */
+static float td_fin[TD_IN_TOTAL];
+static unsigned char db_fbytes[4];
+#endif
 
 static char cmd[TD_CMD_MAX + 1];
 static unsigned cmd_len;
@@ -410,12 +441,72 @@ static void copy_inputs(void)
     }
 }
 
+#if TD_FLOAT_WINDOW
+/* QuantizeLinear (docs/quantization.md): clamp(rne(f32(x / s)) + zp, lo, hi), NaN gives zp. The
+ * quotient is clamped first (the result is the same) so that adding 1.5 * 2^23 rounds it to the
+ * nearest integer, ties to even, in the FPU's default rounding mode. */
+static unsigned char quantise_in(float x)
+{
+    float v = x / TD_IN_SCALE;
+    int32_t q;
+    if (v != v) {
+        v = 0.0f;
+    }
+    if (v < (float)(TD_IN_LO - TD_IN_ZERO_POINT - 1)) {
+        v = (float)(TD_IN_LO - TD_IN_ZERO_POINT - 1);
+    }
+    if (v > (float)(TD_IN_HI - TD_IN_ZERO_POINT + 1)) {
+        v = (float)(TD_IN_HI - TD_IN_ZERO_POINT + 1);
+    }
+    v = (v + 12582912.0f) - 12582912.0f;
+    q = (int32_t)v + TD_IN_ZERO_POINT;
+    q = q < TD_IN_LO ? TD_IN_LO : q > TD_IN_HI ? TD_IN_HI : q;
+    return (unsigned char)(q & 0xFF);
+}
+
+/* After a binary load: the float window is the 8-bit input dequantised. */
+static void dequantise_input(void)
+{
+    uint32_t k;
+    for (k = 0; k < TD_IN_TOTAL; ++k) {
+        const int32_t q = TD_IN_LO < 0 ? (int32_t)(signed char)td_in.bytes[k] : (int32_t)td_in.bytes[k];
+        td_fin[k] = (float)(q - TD_IN_ZERO_POINT) * TD_IN_SCALE;
+    }
+}
+#endif
+
+#if TD_RESULTS_DEQUANTISE
+/* DequantizeLinear: f32(f32(q - zero point) * scale). */
+static float dequantise_out(int i, int32_t q)
+{
+    return (float)(q - td_out_zp[i]) * td_out_scale[i];
+}
+#endif
+
 static void print_results(void)
 {
     int i;
     size_t k;
     int first = 1;
     put("m-results-[");
+#if TD_RESULTS_MSE
+    {
+        /* mean over output 0 of (dequantised output - float input)^2, float32 in index order */
+        const unsigned char *o = (const unsigned char *)td_output(0);
+        const size_t n = td_output_bytes(0);
+        float acc = 0.0f;
+        for (k = 0; k < n && k < TD_IN_TOTAL; ++k) {
+            const int32_t q = TD_OUT_DTYPE(0) == TD_INT8 ? (int32_t)(signed char)o[k] : (int32_t)o[k];
+            const float d = dequantise_out(0, q) - td_fin[k];
+            acc += d * d;
+        }
+        put_f32(acc / (float)n);
+        line("]");
+        (void)i;
+        (void)first;
+        return;
+    }
+#endif
     for (i = 0; i < TD_NUM_OUTPUTS; ++i) {
         const void *o = td_output(i);
         const size_t n = td_output_bytes(i);
@@ -436,8 +527,15 @@ static void print_results(void)
         } else {
             for (k = 0; k < n; ++k, first = 0) {
                 const unsigned char b = ((const unsigned char *)o)[k];
+                const int32_t q = TD_OUT_DTYPE(i) == TD_INT8 ? (int32_t)(signed char)b : (int32_t)b;
                 put(first ? "" : ",");
-                put_i32(TD_OUT_DTYPE(i) == TD_INT8 ? (int32_t)(signed char)b : (int32_t)b);
+#if TD_RESULTS_DEQUANTISE
+                if (td_out_scale[i] != 0.0f) {
+                    put_f32(dequantise_out(i, q));
+                    continue;
+                }
+#endif
+                put_i32(q);
             }
         }
     }
@@ -508,12 +606,21 @@ static void cmd_db(char **tok, int n)
 {
     uint32_t want;
     if (n == 3 && !strcmp(tok[1], "load")) {
+#if TD_DB_FLOAT32
+        if (!parse_u32(tok[2], &want) || want == 0 || want > 4u * TD_IN_TOTAL || want % 4u) {
+            put("e-[db load: N must be 4..");
+            put_u32(4u * TD_IN_TOTAL);
+            line(", a multiple of 4 (float32 values)]");
+            return;
+        }
+#else
         if (!parse_u32(tok[2], &want) || want == 0 || want > TD_IN_TOTAL) {
             put("e-[db load: N must be 1..");
             put_u32(TD_IN_TOTAL);
             line(" (the input buffer size)]");
             return;
         }
+#endif
         db_expect = want;
         db_have = 0;
         put("m-[Expecting ");
@@ -546,8 +653,21 @@ static void cmd_db(char **tok, int n)
         }
         for (i = 0; i < len; i += 2) {
             const unsigned v = (unsigned)(hex_digit(h[i]) * 16 + hex_digit(h[i + 1]));
+#if TD_DB_FLOAT32
+            /* little-endian float32 values, quantised as each one completes */
+            db_fbytes[db_have % 4u] = (unsigned char)v;
+            if (++db_have % 4u == 0) {
+                const uint32_t bits = (uint32_t)db_fbytes[0] | (uint32_t)db_fbytes[1] << 8 |
+                                      (uint32_t)db_fbytes[2] << 16 | (uint32_t)db_fbytes[3] << 24;
+                float f;
+                memcpy(&f, &bits, sizeof f);
+                td_fin[db_have / 4u - 1u] = f;
+                td_in.bytes[db_have / 4u - 1u] = quantise_in(f);
+            }
+#else
             /* uint8 pixels -> int8 (v - 128) for the MLPerf Tiny image models, as the runner expects */
             td_in.bytes[db_have++] = (unsigned char)(TD_DB_SUBTRACT_128 ? v ^ 0x80u : v);
+#endif
         }
         if (db_have == db_expect) {
             db_expect = 0;
@@ -637,6 +757,9 @@ static void cmd_bload(char **tok, int n)
         line("]");
         return;
     }
+#if TD_FLOAT_WINDOW
+    dequantise_input();
+#endif
     line("m-load-done");
 }
 

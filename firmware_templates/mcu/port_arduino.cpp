@@ -5,6 +5,7 @@
 #include <Arduino.h>
 #include "port.h"
 #include "harness.h"
+#include "harness_config.h"
 
 #ifndef TD_SERIAL_BAUD
 #define TD_SERIAL_BAUD 115200

@@ -2,9 +2,16 @@
  * -M mps2-an500: Cortex-M7), which share one peripheral map.
  * Serial: CMSDK APB UART0 at 0x40004000. Ticks: CMSDK APB timer0 at 0x40000000, a 32-bit down
  * counter at 25 MHz. With QEMU's -icount shift=0 one tick is exactly 40 executed instructions.
- * Exit: Arm semihosting SYS_EXIT_EXTENDED (QEMU needs -semihosting-config enable=on). */
+ * Exit: Arm semihosting SYS_EXIT_EXTENDED (QEMU needs -semihosting-config enable=on).
+ * Timestamps: port_us() counts microseconds of the emulated board's clock (TD_US_CLOCK_HZ in
+ * harness_config.h), one instruction per cycle, so m-lap-us-N agrees with the instruction counts
+ * converted at the board's clock (what `tinydeploy run` reports) and not with QEMU's 1 GHz. */
 #include <stdint.h>
 #include "port.h"
+#include "harness_config.h"
+#ifndef TD_US_CLOCK_HZ
+#define TD_US_CLOCK_HZ TICK_HZ
+#endif
 
 #define REG(addr) (*(volatile uint32_t *)(addr))
 #define UART0_DATA REG(0x40004000u)
@@ -57,9 +64,17 @@ uint32_t port_tick_hz(void)
     return TICK_HZ;
 }
 
+/* Instructions since port_init() (40 per tick, exact under -icount shift=0) at TD_US_CLOCK_HZ
+ * instructions per second; exact across tick wrap-around as long as it is called at least once
+ * per counter period (2^32 ticks). */
 uint32_t port_us(void)
 {
-    return port_us_from_ticks();
+    static uint32_t last;
+    static uint64_t instructions;
+    const uint32_t now = port_ticks();
+    instructions += (uint64_t)(now - last) * (1000000000u / TICK_HZ);
+    last = now;
+    return (uint32_t)(instructions * 1000000u / TD_US_CLOCK_HZ);
 }
 
 /* Exact instruction counts under QEMU -icount shift=0, where the 25 MHz timer advances exactly

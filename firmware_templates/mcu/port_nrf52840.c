@@ -1,6 +1,6 @@
 /* port_nrf52840.c: Nordic nRF52840 (Arduino Nano 33 BLE), bare metal, no SDK.
  * Written from the nRF52840 Product Specification's register map; not yet run on hardware.
- * Serial: UARTE0 (EasyDMA) at 115200 8N1 on P1.03 (TX, Arduino D1) and P1.10 (RX, D0).
+ * Serial: UARTE0 (EasyDMA) at TD_SERIAL_BAUD (harness_config.h, 115200 by default) 8N1 on P1.03 (TX, Arduino D1) and P1.10 (RX, D0).
  *   Reception uses one-byte DMA transfers into two alternating buffers, restarted in hardware by
  *   the ENDRX->STARTRX shortcut; a byte arriving while the harness is busy (inferring) can be
  *   lost, which the protocol allows: the host waits for m-ready before sending.
@@ -9,6 +9,10 @@
  * Clock: the 64 MHz crystal (HFXO) is started for exact baud rates and timing. */
 #include <stdint.h>
 #include "port.h"
+#include "harness_config.h"
+#ifndef TD_SERIAL_BAUD
+#define TD_SERIAL_BAUD 115200
+#endif
 
 #define REG(addr) (*(volatile uint32_t *)(addr))
 
@@ -43,7 +47,20 @@
 #define UARTE_CONFIG REG(UARTE0_BASE + 0x56Cu)
 #define UARTE_SHORTS_ENDRX_STARTRX (1u << 5)
 #define UARTE_ENABLE_ENABLED 8u
-#define UARTE_BAUD_115200 0x01D7E000u
+/* BAUDRATE register values (nRF52840 product specification, UARTE BAUDRATE) for TD_SERIAL_BAUD */
+#if TD_SERIAL_BAUD == 115200
+#define UARTE_BAUD 0x01D7E000u
+#elif TD_SERIAL_BAUD == 230400
+#define UARTE_BAUD 0x03AFB000u
+#elif TD_SERIAL_BAUD == 460800
+#define UARTE_BAUD 0x075F7000u
+#elif TD_SERIAL_BAUD == 921600
+#define UARTE_BAUD 0x0F000000u
+#elif TD_SERIAL_BAUD == 1000000
+#define UARTE_BAUD 0x10000000u
+#else
+#error "port_nrf52840.c: TD_SERIAL_BAUD must be 115200, 230400, 460800, 921600 or 1000000"
+#endif
 #define PSEL(port, pin) (((uint32_t)(port) << 5) | (uint32_t)(pin))
 #define PSEL_DISCONNECTED 0xFFFFFFFFu
 
@@ -94,7 +111,7 @@ void port_init(void)
     UARTE_PSEL_RXD = PSEL(1, RX_PIN);
     UARTE_PSEL_RTS = PSEL_DISCONNECTED;
     UARTE_PSEL_CTS = PSEL_DISCONNECTED;
-    UARTE_BAUDRATE = UARTE_BAUD_115200;
+    UARTE_BAUDRATE = UARTE_BAUD;
     UARTE_CONFIG = 0u;                /* no parity, one stop bit, no flow control */
     UARTE_ENABLE = UARTE_ENABLE_ENABLED;
 

@@ -2,11 +2,15 @@
  * Written from the STM32F7 reference manual (RM0385) register map; not yet run on hardware.
  * Clock: 216 MHz from HSI (16 MHz / 8 x 216 / 2) with over-drive, 7 flash wait states, the ART
  *   accelerator and prefetch, the Cortex-M7 instruction cache; APB2 at 108 MHz, APB1 at 54 MHz.
- * Serial: USART1 at 115200 8N1 on PA9 (TX) and PB7 (RX), alternate function 7: the pins the
+ * Serial: USART1 at TD_SERIAL_BAUD (harness_config.h) 8N1 on PA9 (TX) and PB7 (RX), alternate function 7: the pins the
  *   on-board ST-LINK/V2-1 presents as its USB serial port.
  * Ticks and work counter: the DWT cycle counter (CPU cycles at 216 MHz). */
 #include <stdint.h>
 #include "port.h"
+#include "harness_config.h"
+#ifndef TD_SERIAL_BAUD
+#define TD_SERIAL_BAUD 115200u
+#endif
 
 #define REG(addr) (*(volatile uint32_t *)(addr))
 
@@ -39,7 +43,7 @@
 
 #define CPU_HZ 216000000u
 #define PCLK2_HZ 108000000u
-#define BAUD 115200u
+#define BAUD TD_SERIAL_BAUD            /* harness_config.h: the profile's or the board's rate */
 
 uint32_t startup_stack_used(uint32_t *reserved);
 

@@ -2,12 +2,16 @@
  * Written from the STM32L4+ reference manual (RM0432) register map; not yet run on hardware.
  * Clock: 120 MHz from HSI16 through the PLL (16 MHz / 1 x 15 / 2), voltage range 1 in boost
  *   mode, 5 flash wait states with prefetch and caches; APB1 at 120 MHz.
- * Serial: LPUART1 at 115200 8N1 on PG7 (TX) and PG8 (RX), alternate function 8: the pins the
+ * Serial: LPUART1 at TD_SERIAL_BAUD (harness_config.h) 8N1 on PG7 (TX) and PG8 (RX), alternate function 8: the pins the
  *   on-board ST-LINK/V2-1 presents as its USB serial port. Port G sits on VDDIO2, which must be
  *   declared valid (PWR_CR2.IOSV) before the pins work.
  * Ticks and work counter: the DWT cycle counter (CPU cycles at 120 MHz). */
 #include <stdint.h>
 #include "port.h"
+#include "harness_config.h"
+#ifndef TD_SERIAL_BAUD
+#define TD_SERIAL_BAUD 115200u
+#endif
 
 #define REG(addr) (*(volatile uint32_t *)(addr))
 
@@ -35,7 +39,7 @@
 #define SCB_AIRCR REG(0xE000ED0Cu)
 
 #define CPU_HZ 120000000u
-#define BAUD 115200u
+#define BAUD TD_SERIAL_BAUD            /* harness_config.h: the profile's or the board's rate */
 /* LPUART: BRR = 256 * f_clk / baud (RM0432 "LPUART baud rate generation"), rounded. */
 #define LPUART_BRR ((256ull * CPU_HZ + BAUD / 2u) / BAUD)
 

@@ -212,7 +212,7 @@ def bench_emulated(models: list[str], board, as_json: bool, threads: int = 1, pe
                            onnxruntime_version=peer.version, ratio=ins / c.instructions)
         rows.append(row)
     if as_json:
-        print(json.dumps(rows))
+        print_json(rows)
         return rows
     print(f"{'model':<28} {'tinydeploy':>14} {'onnxruntime':>14} {'ratio':>6} {'MACs/instr':>10} {'SIMD/FP':>7} "
           f"{'FMA/MAC':>7}  match")
@@ -258,7 +258,7 @@ def bench_layers_counted(models: list[str], board, as_json: bool, threads: int =
                         "instructions": counted.instructions, "layers_instructions_sum": total,
                         "macs": b.summary["macs"], "layers": rows})
     if as_json:
-        print(json.dumps(results))
+        print_json(results)
         return results
     for r in results:
         print(f"{r['model']} on {r['board']} (under {' '.join(board.qemu_user)}): instructions per inference, per layer")
@@ -351,7 +351,7 @@ def bench_layers_mcu(models: list[str], board: str, as_json: bool, max_weights_b
         results.append({"model": path.name, "board": board, "emulated": True, "unit": prof["unit"],
                         "total": sum(prof["costs"].values()), "macs": prof["summary"]["macs"], "layers": rows})
     if as_json:
-        print(json.dumps(results))
+        print_json(results)
         return results
     for r in results:
         print(f"{r['model']} on {r['board']} under QEMU: {r['unit']} per layer (exact, -icount)")
@@ -369,11 +369,54 @@ def bench_layers_mcu(models: list[str], board: str, as_json: bool, max_weights_b
     return results
 
 
+def bench_place(models: list[str], board: str | None, place_name: str, address: str | None = None,
+                wait_s: float = 300.0, as_json: bool = False, max_weights_bytes=None) -> list[dict]:
+    """`bench --lg-place NAME`: a microcontroller board of a labgrid farm. The place is acquired
+    (waiting up to wait_s while someone else holds it), each model's firmware flashed through the
+    place's programming port (emulated boards; real boards must already run it, as for `measure`)
+    and run through the place's serial port: latency from the board's own clock, outputs against
+    the oracle, memory from the build. The place is released at the end, also on errors."""
+    from tinydeploy.commands.common import place_board
+    from tinydeploy.errors import TinydeployError
+    from tinydeploy.runners import farm
+    from tinydeploy.targets import boards
+    rows = []
+    with farm.hold(place_name, None, address, wait_s, say=None if as_json else flow.progress) as place:
+        board = place_board(place, board)
+        if not boards.get_board(board).is_mcu:
+            raise TinydeployError(f"labgrid place {place.name!r} holds {board}, a Linux board: bench times Linux boards "
+                                  f"where it runs (run it there), `tinydeploy tune --lg-place {place.name}` tunes it "
+                                  "over the place's ssh")
+        for m in models:
+            b = flow.build(Path(m), board, reuse=True, quiet=as_json, max_weights_bytes=max_weights_bytes)
+            if place.flash_url:
+                place.flash(Path(b.firmware.elf).read_bytes())
+            r = flow.measure(Path(m), board, place.serial_url, quiet=as_json, reuse=True,
+                             max_weights_bytes=max_weights_bytes)
+            lat = r["latency"]
+            rows.append({"model": Path(m).name, "board": board, "place": place.name, "lab_host": place.exporter,
+                         "instructions": lat.get("instructions"), "median_ms": lat.get("median_ms"),
+                         "outputs_match": r["outputs_match"], "macs": b.summary["macs"],
+                         **{k: r["memory"][k] for k in ("arena_bytes", "flash_bytes", "ram_bytes", "stack_used_bytes")}})
+    if as_json:
+        print_json(rows)
+        return rows
+    print(f"{'model':<28} {'median ms':>10} {'arena B':>9} {'flash B':>10} {'RAM B':>9}  match")
+    for r in rows:
+        ms = f"{r['median_ms']:.3f}" if r["median_ms"] is not None else "-"
+        print(f"{r['model']:<28} {ms:>10} {r['arena_bytes']:>9,} {r['flash_bytes']:>10,} {r['ram_bytes']:>9,}  "
+              f"{'yes' if r['outputs_match'] else 'NO'}")
+    if rows:
+        print(f"on labgrid place {rows[0]['place']} (lab host {rows[0]['lab_host']}, board {rows[0]['board']}); "
+              "ms from the board's own clock", file=sys.stderr)
+    return rows
+
+
 def add_parser(sub) -> None:
-    from tinydeploy.commands.common import max_weights, optimize, threads
+    from tinydeploy.commands.common import labgrid_place, max_weights, optimize, threads
     p = sub.add_parser("bench", help="median latency of the generated code next to onnxruntime's")
     p.add_argument("models", nargs="+")
-    p.add_argument("--board", default="host")
+    p.add_argument("--board", help="board id (default host; with --lg-place the place's board)")
     p.add_argument("--seconds", type=float, default=1.0, help="time budget per measurement (default 1 s)")
     p.add_argument("--json", action="store_true")
     threads(p)
@@ -387,18 +430,25 @@ def add_parser(sub) -> None:
                    "host, onnxruntime) only")
     p.add_argument("--tflite", metavar="PATH", help="the .tflite twin of the model for LiteRT (or a folder of "
                    "<model name>.tflite twins); default: M.tflite or tflite/M.tflite beside the model")
+    labgrid_place(p, "microcontrollers: flash (emulated boards) and time on")
     max_weights(p)
     optimize(p)
 
 
 def main(args, ctx) -> int:
-    if args.tflite is not None and (args.layers or args.emulate):
-        raise TinydeployError("--tflite is for `bench` timing here (LiteRT runs in this process), not with --layers "
-                              "or --emulate")
-    if args.layers:
-        bench_layers(args.models, args.board, args.seconds, args.json, args.emulate, args.threads,
+    if args.tflite is not None and (args.layers or args.emulate or args.lg_place):
+        raise TinydeployError("--tflite is for `bench` timing here (LiteRT runs in this process), not with --layers, "
+                              "--emulate or --lg-place")
+    if args.lg_place:
+        if args.layers or args.threads != 1 or args.emulate:
+            raise TinydeployError("--lg-place times a microcontroller place; --layers, --threads and --emulate are "
+                                  "for Linux boards")
+        bench_place(args.models, args.board, args.lg_place, args.lg_coordinator, args.lg_wait, args.json,
+                    ctx.max_weights_bytes)
+    elif args.layers:
+        bench_layers(args.models, args.board or "host", args.seconds, args.json, args.emulate, args.threads,
                      ctx.max_weights_bytes)
     else:
-        bench(args.models, args.board, args.seconds, args.json, args.threads, ctx.max_weights_bytes, args.optimize,
-              emulate=args.emulate, peers=args.peers, tflite=args.tflite)
+        bench(args.models, args.board or "host", args.seconds, args.json, args.threads, ctx.max_weights_bytes,
+              args.optimize, emulate=args.emulate, peers=args.peers, tflite=args.tflite)
     return 0

@@ -46,6 +46,29 @@ def optimize(p: argparse.ArgumentParser) -> None:
                    "more flash)")
 
 
+def labgrid_place(p: argparse.ArgumentParser, what: str) -> None:
+    """--lg-place NAME (a board of a labgrid farm, tinydeploy/runners/farm.py) and its coordinator."""
+    p.add_argument("--lg-place", metavar="NAME", help=f"{what} the board of this labgrid place, acquired through "
+                   "the coordinator and released at the end (its tag board=<id> is the board; hil/LAB.md)")
+    p.add_argument("--lg-coordinator", metavar="HOST:PORT",
+                   help="the labgrid coordinator (default $LG_COORDINATOR, else 127.0.0.1:20408)")
+    p.add_argument("--lg-wait", type=float, default=300.0, metavar="S",
+                   help="seconds to wait while someone else holds the place (default 300)")
+
+
+def place_board(place, board: str | None) -> str:
+    """The board id of an acquired labgrid place (its tag board=<id>); --board, when given, must agree."""
+    from tinydeploy.errors import TinydeployError
+    tag = place.board
+    if not tag:
+        raise TinydeployError(f"labgrid place {printable(place.name)!r} has no tag board=<id> (labgrid-client -p "
+                              f"{printable(place.name)} set-tags board=<id>)")
+    if board is not None and board != tag:
+        raise TinydeployError(f"labgrid place {printable(place.name)!r} holds board {printable(tag)}, not {board}: "
+                              "drop --board or name another place")
+    return tag
+
+
 def threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, metavar="N",
                    help="Linux boards: run each layer on up to N OpenMP threads (default 1)")

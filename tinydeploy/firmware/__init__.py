@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,8 @@ from tinydeploy.pipeline import Compiled, Image
 from tinydeploy.targets import boards
 from tinydeploy.targets.boards import Board
 from tinydeploy.codegen import kernels as kreg
-from tinydeploy.codegen.cfmt import printable
+from tinydeploy.codegen.cfmt import c_float, printable
+from tinydeploy.firmware import profiles
 from tinydeploy.errors import TinydeployError
 
 MCU_TEMPLATES = kreg.TEMPLATES / "mcu"
@@ -52,21 +52,14 @@ def model_facts(c: Compiled | Image) -> dict:
             "input_bytes": c.input_bytes, "inputs_int8": c.inputs_int8, "scratch_bytes": scratch}
 
 
-@lru_cache(maxsize=1)
-def _profiles() -> dict:
-    """firmware_templates/mcu/profiles.json: the MLPerf Tiny profiles and what the harness does for each."""
-    return json.loads((MCU_TEMPLATES / "profiles.json").read_text())
-
-
 def model_id(model_name: str) -> str:
-    """The MLPerf Tiny model id the EnergyRunner expects (kws01, ...), from the file name."""
-    stem = re.split(r"[_.-]", model_name.lower())[0]
-    return _profiles()["file_prefixes"].get(stem, re.sub(r"[^a-z0-9_]", "", stem)[:16] or "model")
+    """The MLPerf Tiny model id the runner expects (kws01, ...), from the file name."""
+    return profiles.model_id(model_name)
 
 
 def profile(model_name: str) -> dict:
-    """What the harness does for the model's profile (profiles.json; {} for other models)."""
-    return _profiles()["profiles"].get(model_id(model_name), {})
+    """What the harness does for the model's profile (profiles.json, defaults filled in)."""
+    return profiles.profile(model_name)
 
 
 # ---- fitting --------------------------------------------------------------------------------
@@ -101,18 +94,6 @@ def check_fits(c: Compiled, board) -> None:
 
 def _render(name: str, **kw) -> str:
     return kreg.env().get_template(f"mcu/{name}").render(version=__version__, **kw)
-
-
-def _harness_profile(c: Compiled | Image) -> tuple[str, str]:
-    """The harness_config.h values that depend on the model: its MLPerf Tiny id, and whether the
-    EnergyRunner's uint8 image bytes become int8 inputs (several models: per selected model)."""
-    models = c.models if isinstance(c, Image) else [c]
-    sub = [bool(profile(m.model).get("db_subtract_128")) and m.inputs_int8 for m in models]
-    ident = "+".join(model_id(m.model) for m in models)
-    if len(models) == 1:
-        return ident, str(int(sub[0]))
-    mask = sum(1 << k for k, v in enumerate(sub) if v)
-    return ident, f"((0x{mask:x}u >> td_current_model()) & 1u)"
 
 
 def sections_placed(c: Compiled | Image, machine: Board) -> list[dict]:
@@ -157,10 +138,10 @@ def project_files(c: Compiled | Image, board_id, emulate: bool = False, dut_name
         out[f"src/{n}"] = (MCU_TEMPLATES / n).read_text()
     if bulk_timeout_ms is None:   # QEMU's virtual time runs slower than real time while polling
         bulk_timeout_ms = int((machine.qemu or {}).get("bulk_timeout_ms", 2000))
-    ident, subtract = _harness_profile(c)
+    h = profiles.image_settings(c, board, machine)
     out["src/harness_config.h"] = _render("harness_config.h.j2", dut_name=dut_name or f"tinydeploy {board.id}",
-                                          model_id=ident, bulk_timeout_ms=int(bulk_timeout_ms),
-                                          db_subtract_128=subtract)
+                                          model_id=h["model_id"], bulk_timeout_ms=int(bulk_timeout_ms), h=h,
+                                          c_float=c_float)
     # Sections of the build's own go into the regions the board lists (emulating: only those the
     # board itself has, so the image is laid out as on the board).
     regions = machine if not emulate else dataclasses.replace(machine, memory_regions=tuple(
@@ -186,8 +167,8 @@ def project_files(c: Compiled | Image, board_id, emulate: bool = False, dut_name
     out["README.md"] = _render("README.md.j2", title=title, board=board, machine=machine, emulate=emulate,
                                facts=facts, port=port, qemu=qemu, upload=upload, extras=extras,
                                capture="-DTD_CAPTURE" in (extra_cflags or []),
-                               cflags=" ".join(target.cflags + list(extra_cflags or [])), model_id=ident,
-                               library=_library_facts(c), placed=placed)
+                               cflags=" ".join(target.cflags + list(extra_cflags or [])), model_id=h["model_id"],
+                               h=h, library=_library_facts(c), placed=placed)
     return out
 
 
@@ -343,6 +324,7 @@ class Firmware:
     board: dict          # the board the firmware is for (limits)
     machine: dict        # the board it was built to run on (itself, or its QEMU stand-in)
     memory: dict
+    harness: dict | None = None   # profiles.image_settings: what the harness prints, its baud, ...
 
 
 def build_firmware(c: Compiled | Image, board_id, outdir=None, emulate: bool = False,
@@ -369,7 +351,7 @@ def build_firmware(c: Compiled | Image, board_id, outdir=None, emulate: bool = F
             f"of {mem['flash_bytes']:,} B, RAM {mem['ram_used_bytes']:,} of {mem['ram_bytes']:,} B; "
             "quantise the model to int8 (4x smaller) or pick a bigger board")
     (outdir / "memory.json").write_text(json.dumps(mem, indent=1) + "\n")
-    return Firmware(outdir, elf, board, machine, mem)
+    return Firmware(outdir, elf, board, machine, mem, profiles.image_settings(c, board, machine))
 
 
 # ---- building and running under QEMU -----------------------------------------------------

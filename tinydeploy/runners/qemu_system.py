@@ -73,7 +73,9 @@ def qemu_binary(board) -> str:
 class Emulator:
     """One QEMU process running `elf` on a qemu-system board; a context manager."""
 
-    def __init__(self, elf, board, boot_timeout: float = 30.0):
+    def __init__(self, elf, board, boot_timeout: float = 30.0, port: int | None = None, wait: bool = True):
+        """port: a fixed loopback TCP port for the serial line (default: a free one); wait=False
+        boots the guest at once and lets clients come and go (an emulated board in a lab)."""
         if not board.is_qemu_machine or not board.qemu:
             raise TinydeployError(f"board {board.id!r} is not a QEMU machine")
         self.elf = Path(elf)
@@ -83,6 +85,8 @@ class Emulator:
         self.boot_timeout = boot_timeout
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self.fixed_port = port
+        self.wait_for_client = wait
         self.returncode: int | None = None
         self._log = None
         self._devices = []
@@ -100,14 +104,16 @@ class Emulator:
         return [qemu_binary(self.board), "-M", q["machine"], "-display", "none", "-monitor", "none",
                 "-nodefaults", "-icount", f"shift={self.icount_shift}",
                 "-semihosting-config", "enable=on,target=native",
-                "-serial", f"tcp:127.0.0.1:{port},server=on,wait=on", "-kernel", str(self.elf)]
+                "-serial", f"tcp:127.0.0.1:{port},server=on,wait={'on' if self.wait_for_client else 'off'}", "-kernel", str(self.elf)]
 
     def start(self) -> "Emulator":
         """Starts QEMU; it then waits (wait=on) for the first connection before running the guest."""
         try:
             self._log = tempfile.TemporaryFile(prefix="tinydeploy-qemu-")
-            for _ in range(3):
-                self.port = free_port()
+            for attempt in range(3):
+                self.port = self.fixed_port or free_port()
+                if attempt and self.fixed_port:
+                    time.sleep(0.5)       # the previous QEMU's socket may still be closing
                 self.proc = subprocess.Popen(_die_with_parent() + self.command_line(self.port),
                                              stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
                                              start_new_session=True)
