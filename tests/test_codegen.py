@@ -170,6 +170,24 @@ def test_arena_offsets_are_named_macros_that_match_the_plan(model, board):
 
 
 @pytest.mark.parametrize("model,board", CASES)
+def test_kernel_scratch_lies_within_its_planned_bytes(model, board):
+    """The scratch each layer's C uses (model.c: "scratch of layer k, N B", the kernel's size as
+    its parameters have it, e.g. a GEMM tile) fits in the bytes the plan reserved for it, inside
+    the arena. A planner whose chain trials sized shared kernels after the kept plan had them
+    (no chain taken) left tiles 4x their room: the kernels wrote past the arena's end, over the
+    next model's arena and context in a library image."""
+    c = _compiled(model, board)
+    text = c.files["model.c"]
+    arena = int(re.search(r"unsigned char bytes\[(\d+)\];", text).group(1))
+    assert arena == c.plan.arena_bytes
+    planned = {nm: b.size for b in c.plan.buffers for nm in b.tensors}
+    uses = re.findall(r"^#define TD_OFF_scratch_l(\d+) (\d+)\s+/\* scratch of layer \d+, (\d+) B", text, re.M)
+    assert len(uses) == sum(1 for k in c.kernels if k is not None and k.scratch_bytes)
+    for step, off, size in ((int(a), int(b), int(s)) for a, b, s in uses):
+        assert size <= planned[f"#scratch{step}"] and int(off) + size <= arena, (step, off, size, arena)
+
+
+@pytest.mark.parametrize("model,board", CASES)
 def test_layer_count_is_the_layers_with_code(model, board):
     c = _compiled(model, board)
     h = c.files["model.h"]

@@ -117,15 +117,18 @@ class _Builder:
         self.aliased: set[int] = set()
         self.state_aliased: set[str] = set()
         state_of = {o: i for i, o in states}       # state output -> its state input
-        fused = {s for k in kernels if k is not None and kernel_level for s in k.fused}
+        chained = {s for k in kernels if k is not None for s in k.fused}
+        fused = chained if kernel_level else set()
         steps = len(g.nodes)
         for name in g.inputs:
             self._new([name], g.t(name).nbytes, 0).pinned = True
         for k, (n, kern) in enumerate(zip(g.nodes, kernels)):
             d = REGISTRY[n.op]
-            if kern is None and not d.view:
+            # the per-layer view: a patch-based chain's layers (fused ones and its last) as layers
+            layer = not kernel_level and (k in chained or (kern is not None and bool(kern.fused)))
+            if kern is None and not d.view and not layer:
                 continue                              # folded into a later kernel, which reads through it
-            reads = n.inputs if kern is not None and kern.fused and not kernel_level else _reads(n, kern)
+            reads = n.inputs if layer else _reads(n, kern)
             for i in reads:
                 if i and i in self.owner:
                     self.owner[i].end = max(self.owner[i].end, k)
@@ -323,20 +326,26 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
     lists that run some layers patch by patch (each with .kernels, .added instructions, .desc);
     the one that saves the most is taken where it pays (CHAIN_MIN_SAVING, CHAIN_MAX_ADDED), and
     `kernels` is changed in place to it. `states`, `scratch_apart`: the library form's requests
-    (module text)."""
+    (module text). On return the kernels' parameters (scratch sizes, INPLACE) are the returned
+    plan's, as `mismatches` checks: the trials size the kernels they share with `kernels` too."""
     opts = {"states": tuple(states), "apart": scratch_apart}
     plan = _plan_aliases(g, kernels, alignment, fit, opts)
     notes = []
     for _ in range(3 if chains else 0):
-        best = None
+        best, tried = None, False
         for cand in chains(g, kernels):
             if cand.added > CHAIN_MAX_ADDED * macs:
                 continue
+            # a candidate shares the kernels outside its chain with `kernels`: planning it sizes
+            # their scratch (fit) and sets their INPLACE for the trial's arena, not for `plan`
             trial = _plan_aliases(g, cand.kernels, alignment, fit, opts)
+            tried = True
             if trial.arena_bytes <= plan.arena_bytes * (1 - CHAIN_MIN_SAVING) and (
                     best is None or (trial.arena_bytes, cand.added) < (best[1].arena_bytes, best[0].added)):
                 best = (cand, trial)
         if best is None:
+            if tried:       # the kernels' parameters as the kept plan has them
+                plan = _plan_aliases(g, kernels, alignment, fit, opts)
             break
         cand, _ = best
         notes.append(f"{cand.desc}: arena {plan.arena_bytes:,} -> {best[1].arena_bytes:,} B "
@@ -344,7 +353,34 @@ def plan_memory(g: ir.Graph, kernels: list[Kernel | None], alignment: int = 16,
         kernels[:] = cand.kernels
         plan = _plan_aliases(g, kernels, alignment, fit, opts)
     plan.notes = notes
+    bad = mismatches(plan, kernels)
+    if bad:
+        raise AssertionError(f"planner: kernels disagree with their plan: {'; '.join(bad)}")
     return plan
+
+
+def mismatches(plan: Plan, kernels: list[Kernel | None]) -> list[str]:
+    """Where the kernels, as their parameters have them now (as the C will run them), disagree
+    with the plan: scratch larger than its planned bytes or ending past its arena, a kernel
+    writing over its input (params["INPLACE"]) at a step the plan did not anchor, or the reverse."""
+    size = {nm: b.size for b in plan.buffers for nm in b.tensors}
+    out = []
+    for k, kern in enumerate(kernels):
+        if kern is None:
+            continue
+        if kern.alias is not None and bool(kern.params.get("INPLACE")) != (k in plan.aliased):
+            out.append(f"step {k} ({kern.family}) INPLACE={kern.params.get('INPLACE')}, planned {k in plan.aliased}")
+        name = f"#scratch{k}"
+        if not kern.scratch_bytes:
+            continue
+        apart = name in plan.apart
+        arena = plan.scratch_bytes if apart else plan.arena_bytes
+        have = arena if apart else size.get(name, 0)
+        off = plan.offsets.get(name, 0)
+        if name not in plan.offsets or kern.scratch_bytes > have or off + kern.scratch_bytes > arena:
+            out.append(f"step {k} ({kern.family}) scratch {kern.scratch_bytes} B at {off}, planned "
+                       f"{have if name in plan.offsets else 'none'} in an arena of {arena} B")
+    return out
 
 
 def _plan_aliases(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, opts: dict) -> Plan:
@@ -384,7 +420,9 @@ def _plan_once(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, e
         if kern is not None and kern.alias is not None:
             kern.params = dict(kern.params, INPLACE=k in bld.aliased)
     acts = bld.buffers
-    need = [k for k, kern in enumerate(kernels) if kern is not None and (kern.scratch_bytes or kern.params.get("INPLACE"))]
+    # fit(k, 0) first: a kernel's scratch as an earlier plan sized it (e.g. none) does not count
+    need = [k for k, kern in enumerate(kernels) if kern is not None and (
+        (fit is not None and fit(kern, 0)) or kern.scratch_bytes or kern.params.get("INPLACE"))]
     if opts["apart"]:       # every scratch alone in its step, in an arena of its own
         for k in need:
             if fit is not None:
