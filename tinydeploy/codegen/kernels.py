@@ -77,6 +77,7 @@ VARIANTS = (
     # 8-bit on caching CPUs (schedule/q8.py picks the ISA per layer: the first of the target's
     # whose Q8 descriptor multiplies the layer's weight type)
     Variant("qconv2d_gemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_gemm.c.j2"),
+    Variant("qconv2d_igemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_igemm.c.j2"),
     Variant("qconv2d_dw", ("s8", "u8"), ("avx512bw", "avx2", "neon"), "qconv2d_dw.c.j2"),
     Variant("qdense_packed", ("s8", "u8"), _Q8_ISAS, "qdense_packed.c.j2"),
     Variant("qdense", ("s8", "u8"), ("cortex-m4-dsp",), "qdense_cortex-m4-dsp.c.j2"),
@@ -136,6 +137,11 @@ def variants(family: str, dtype: str) -> list[str]:
     if "ref" not in isas and _ref_template(family, dtype):
         isas.append("ref")
     return sorted(isas, key=lambda v: (v != "ref", v))
+
+
+def has_variant(family: str, dtype: str, isa: str) -> bool:
+    """Whether VARIANTS declares (family, dtype) for `isa`."""
+    return (family, dtype, isa) in _BY_KEY
 
 
 def resolve(family: str, dtype: str, isas: list[str]) -> tuple[str, str]:

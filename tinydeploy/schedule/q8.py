@@ -36,6 +36,8 @@ TINYDEPLOY_ALGO=ref keeps the reference kernels (as for fp32).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from tinydeploy import ir
@@ -45,8 +47,9 @@ from tinydeploy.ops.registry import new_const, scratch_arg
 from tinydeploy.schedule.cost import _round_up, ranked_tiles
 from tinydeploy.targets.isa import Q8, get_isa
 
-FAMILIES = ("qconv2d_gemm", "qconv2d_dw", "qdense_packed")
+FAMILIES = ("qconv2d_gemm", "qconv2d_igemm", "qconv2d_dw", "qdense_packed")
 DW_MAX_TAPS = 64          # depthwise windows up to 8x8 (taps unrolled); larger ones take the GEMM
+IGEMM_MAX_TAPS = 49       # implicit GEMM windows up to 7x7 (taps unrolled)
 
 
 def q8_isa(family: str, k: Kernel, target) -> str | None:
@@ -56,7 +59,7 @@ def q8_isa(family: str, k: Kernel, target) -> str | None:
         return None
     for isa in target.isas:
         q = get_isa(isa).q8
-        if q is not None and k.params.get("TW") in q.weights and kreg.resolve(family, k.dtype, [isa])[1] == isa:
+        if q is not None and k.params.get("TW") in q.weights and kreg.has_variant(family, k.dtype, isa):
             return isa
     return None
 
@@ -121,7 +124,19 @@ def _channel_consts(g, k, consts, q, isa, w_rows, zx_loop, tx, rows_per_group, p
             new_const(g, consts, base + "_requant_scale", rk.reshape(-1)))
 
 
+def tile_fits(q: Q8, mr: int, nr: int) -> bool:
+    """Whether the ISA's kernels can be generated for an MR x NR tile (lanes, register loads)."""
+    step = 8 if q.lanes == 4 else q.lanes          # neon: int16 B registers of 8 columns
+    return mr >= 1 and nr >= step and nr % step == 0 and (q.lanes != 4 or mr % 4 == 0)
+
+
 def _tile(q: Q8, rows: int, cols: int) -> tuple[int, int]:
+    """The ISA's 8-bit tile of least estimated cost, or TINYDEPLOY_TILE=MRxNR where it fits."""
+    forced = os.environ.get("TINYDEPLOY_TILE", "")
+    if forced:
+        mr, nr = (int(v) for v in forced.lower().split("x"))
+        if tile_fits(q, mr, nr):
+            return mr, nr
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
@@ -175,6 +190,54 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     how = "direct" if direct else "im2col"
     desc = f"[qconv2d_gemm {isa} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
+
+
+def igemm_applies(p: dict, q: Q8) -> bool:
+    """The implicit GEMM reads a KH x KW > 1 window of one group straight from planes of KG
+    channels: worth it when few of a group's lanes hold padding channels (1 of 4 at most) and
+    the planes' extra columns (WP - OW) stay small."""
+    taps = p["KH"] * p["KW"]
+    if p["G"] != 1 or not 1 < taps <= IGEMM_MAX_TAPS or p["C"] < 3:
+        return False
+    _, wp, _, _ = dw_geometry(p)
+    return p["C"] / _round_up(p["C"], q.kgroup) >= 0.75 and wp <= 1.5 * p["OW"]
+
+
+def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
+    p = dict(k.params)
+    q = get_isa(isa).q8
+    kg = q.kgroup
+    hp, wp, phases, offs = dw_geometry(p)
+    taps = p["KH"] * p["KW"]
+    cgn = -(-p["C"] // kg)
+    pls = _round_up(len(phases) * hp * wp, 16)
+    flat = p["OH"] * wp
+    mr, nr = _tile(q, p["M"], flat)
+    flatp = _round_up(flat, nr)
+    planes = _round_up((cgn - 1) * pls + max(pls, max(offs) + flatp), 16)
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    off, flip = act_offset(q, p["TX"], zx_loop)
+    w = _conv_weights(g, k)                                             # [M][C * taps]
+    mp = _round_up(p["M"], mr)
+    wc = np.zeros((mp, cgn * kg, taps), np.int64)
+    wc[:p["M"], :p["C"]] = w.reshape(p["M"], p["C"], taps)
+    # k-group (channel group, tap): [MP/MR][CGN * taps][MR][KG]
+    wc = wc.reshape(mp // mr, mr, cgn, kg, taps).transpose(0, 2, 4, 1, 3).reshape(mp // mr, cgn * taps, mr, kg)
+    consts = {}
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), group_words(wc, q.flavour).reshape(-1))
+    bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["M"], mp)
+    padv = 0
+    if q.flavour == "dot":                  # four bytes of the zero point (as the kernel reads x)
+        padv = int(np.array([((p["ZX"] % 256) ^ (0x80 if flip else 0)) * 0x01010101], np.uint32).view(np.int32)[0])
+    unit = 2 if q.flavour == "mlal" else 4
+    p.update(algo="qconv2d_igemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=cgn * taps, CGN=cgn, PLS=pls, HP=hp,
+             WP=wp, PHASES=phases, OFFS=offs, FLAT=flat, FLATP=flatp, PLANES=planes, MR=mr, NR=nr, MP=mp,
+             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv)
+    scratch = unit * planes + _round_up(p["M"] * flatp, 64)
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    desc = f"[qconv2d_igemm {isa} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    return Kernel("qconv2d_igemm", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
+                  scratch_dtype="int32")
 
 
 def dw_geometry(p: dict) -> tuple[int, int, list[dict], list[int]]:
@@ -270,6 +333,10 @@ def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:
     if k.family == "qconv2d":
         depthwise = p["G"] == p["C"] == p["M"] > 1 and p["KH"] * p["KW"] <= DW_MAX_TAPS
         fam = "qconv2d_dw" if depthwise else "qconv2d_gemm"
+        if fam == "qconv2d_gemm":
+            isa = q8_isa("qconv2d_igemm", k, target) if force != "ref" else None
+            if isa is not None and force != "qconv2d_gemm" and (force == "qconv2d_igemm" or igemm_applies(p, get_isa(isa).q8)):
+                fam = "qconv2d_igemm"
     elif k.family == "qdense":
         fam = "qdense_packed"
     isa = q8_isa(fam, k, target) if fam and force != "ref" else None
@@ -277,5 +344,6 @@ def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:
         k.params = dict(p, algo="ref")
         k.desc = f"[ref direct] {k.desc}"
         return k
-    select = {"qconv2d_gemm": select_qconv_gemm, "qconv2d_dw": select_qconv_dw, "qdense_packed": select_qdense}[fam]
+    select = {"qconv2d_gemm": select_qconv_gemm, "qconv2d_igemm": select_qconv_igemm, "qconv2d_dw": select_qconv_dw,
+              "qdense_packed": select_qdense}[fam]
     return select(g, step, k, target, isa)

@@ -53,7 +53,7 @@ class ISA:
 # (AVX-512 / AVX2) with single layers of ResNet-8 and ResNet-50.
 # 8-bit tiles, the same budgets: accumulators MR*NR/lanes, NR/lanes B vectors, one broadcast A
 # (x86); neon MR*NR/4 + NR/8 (int16 B) or NR/4 (dot B) + MR/8 or MR/4 A registers.
-_Q8_MADD_YMM = Q8("madd", 2, 8, ((6, 16, 1.0), (4, 24, 1.0), (12, 8, 1.12), (8, 8, 1.25), (4, 16, 1.15)), dense=32)
+_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32)
 _Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15),
                                   (8, 16, 1.25)), dense=64)
 _Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
