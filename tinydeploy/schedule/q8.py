@@ -302,7 +302,8 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
         kgn = _round_up(kgn, 4)               # Arm: the input's k-groups are read 4 to a register
     if q.flavour == "mlal":
         kgn = _round_up(kgn, 8)               # 8 int16 inputs to a register
-    nrd = min(q.dense, _round_up(n, q.lanes))
+    # whole vectors of columns (mlal: int16 weight registers of 8 columns)
+    nrd = min(q.dense, _round_up(n, 8 if q.flavour == "mlal" else q.lanes))
     npad = _round_up(n, nrd)
     w = k.tensor(k.args[1], g).data.astype(np.int64)            # [N][K]
     wk = np.zeros((npad, kgn * kg), np.int64)
