@@ -10,25 +10,21 @@
 #include_next <immintrin.h>
 #include <simde/x86/avx512.h>
 
+/* A 512-bit conversion as the native AVX2 one on both 256-bit halves: RT/AT the SIMDe types,
+ * RH/AH their halves' fields */
+#define TD_SIMDE_HALVES(name, native, RT, RH, AT, AH) \
+    static inline simde__##RT name(simde__##AT a) \
+    { \
+        simde__##AT##_private p = simde__##AT##_to_private(a); \
+        simde__##RT##_private r; \
+        r.RH[0] = native(p.AH[0]); \
+        r.RH[1] = native(p.AH[1]); \
+        return simde__##RT##_from_private(r); \
+    }
 /* vcvtps2dq: float -> int32 in the current rounding mode (to nearest, ties to even) */
-static inline simde__m512i td_simde_mm512_cvtps_epi32(simde__m512 a)
-{
-    simde__m512_private p = simde__m512_to_private(a);
-    simde__m512i_private r;
-    r.m256i[0] = _mm256_cvtps_epi32(p.m256[0]);
-    r.m256i[1] = _mm256_cvtps_epi32(p.m256[1]);
-    return simde__m512i_from_private(r);
-}
-
+TD_SIMDE_HALVES(td_simde_mm512_cvtps_epi32, _mm256_cvtps_epi32, m512i, m256i, m512, m256)
 /* vcvtdq2ps: int32 -> float, rounded to nearest even */
-static inline simde__m512 td_simde_mm512_cvtepi32_ps(simde__m512i a)
-{
-    simde__m512i_private p = simde__m512i_to_private(a);
-    simde__m512_private r;
-    r.m256[0] = _mm256_cvtepi32_ps(p.m256i[0]);
-    r.m256[1] = _mm256_cvtepi32_ps(p.m256i[1]);
-    return simde__m512_from_private(r);
-}
+TD_SIMDE_HALVES(td_simde_mm512_cvtepi32_ps, _mm256_cvtepi32_ps, m512, m256, m512i, m256i)
 
 /* vpmovzxbw: 32 bytes, zero-extended to 32 int16 */
 static inline simde__m512i td_simde_mm512_cvtepu8_epi16(simde__m256i a)
