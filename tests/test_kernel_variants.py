@@ -81,6 +81,7 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
 
     # 8-bit (schedule/q8.py): a chain that takes all four families under each ISA that has them
     q8 = _save(chain_model(np.int8), tmp_path, "q8")
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_igemm")       # igemm on KxK, im2col on the grouped one
     for isa in ("avx512-vnni", "avx512bw", "avx-vnni", "avx2"):
         with monkeypatch.context() as mp:
             mp.setitem(targets.TARGETS, "host",
@@ -88,6 +89,7 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
             compile_model(q8, get_target("host"), board="host")
     for board in ("rpi4", "jetson-orin"):                  # neon; neon-dotprod (then neon)
         compile_model(q8, boards.get_board(board).make_target(), board=board)
+    monkeypatch.delenv("TINYDEPLOY_ALGO")
 
     m4 = boards.get_board("mps2-an386").make_target()
     for i, model in enumerate([_conv_model(C=16, M=16, H=6, W=6, k=(1, 1)),
