@@ -22,7 +22,7 @@ import pytest
 from test_quantized import QDQ, qrange
 from tinydeploy import flow, reference, targets
 from tinydeploy.runners.local import LocalRunner
-from util import check_8bit, require, save
+from util import check_8bit, mlperf_model, require, save
 
 SIMDE_SHIM = Path(__file__).parent / "simde"
 # the CPU features each x86 ISA needs natively, and its gcc flags
@@ -120,3 +120,12 @@ def test_aarch64_kernels_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert _kernels(tmp_path / "b") == AUTO | ({"qconv2d_igemm"} if algo != "auto" else set())
     assert ("vdotq_" in src) == (board == "jetson-orin")
+
+
+def test_threads_bit_exact(tmp_path):
+    """--threads 2: the 8-bit kernels' blocks split over OpenMP threads, the same bits."""
+    res = flow.run(mlperf_model("vww_mobilenetv1_int8.onnx"), outdir=tmp_path / "b", quiet=True, latency=False,
+                   threads=2)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert "omp parallel" in src and "qconv2d_dw_" in src and "qconv2d_gemm_" in src
