@@ -7,6 +7,7 @@ variants' results are held against the reference in test_fast_kernels.py, test_w
 test_cortex_m_kernels.py."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 
 from test_cortex_m_kernels import _add_model, _conv_model, _dense_model, _f32_conv_model
 from test_fast_kernels import conv_model, dense_model, use_host
+from test_q8_kernels import chain_model
+from tinydeploy import targets
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.errors import TinydeployError
 from tinydeploy.pipeline import compile_model
@@ -77,6 +80,18 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
     for path, algo in f32:
         monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
         compile_model(path, rpi4, board="rpi4")
+    monkeypatch.delenv("TINYDEPLOY_ALGO")
+
+    # 8-bit (schedule/q8.py): a chain that takes all four families under each ISA that has them
+    q8 = _save(chain_model(np.int8), tmp_path, "q8")
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_igemm")       # igemm on KxK, im2col on the grouped one
+    for isa in ("avx512-vnni", "avx512bw", "avx-vnni", "avx2"):
+        with monkeypatch.context() as mp:
+            mp.setitem(targets.TARGETS, "host",
+                       lambda isa=isa: dataclasses.replace(targets.host(), isas=[isa, "avx2"]))
+            compile_model(q8, get_target("host"), board="host")
+    for board in ("rpi4", "jetson-orin"):                  # neon; neon-dotprod (then neon)
+        compile_model(q8, boards.get_board(board).make_target(), board=board)
     monkeypatch.delenv("TINYDEPLOY_ALGO")
 
     m4 = boards.get_board("mps2-an386").make_target()

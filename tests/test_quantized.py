@@ -448,13 +448,19 @@ MLPERF_INT8 = {   # model: (activation arena lower bound in bytes, from the mode
 
 
 @pytest.mark.parametrize("name", list(MLPERF_INT8))
-def test_mlperf_int8(name, tmp_path):
+def test_mlperf_int8(name, tmp_path, monkeypatch):
     path = mlperf_model(name)
     res = flow.run(path, outdir=tmp_path / "run", quiet=True, latency=False)
     assert res["outputs_match"] and res["tolerance_unit"] == "LSB", res
     assert res["max_abs_error"] <= 1 and res["exact_reference"]["identical"], res
     assert set(res["onnxruntime_fast"]) == {"max_lsb", "identical_fraction", "note"}, res
-    assert res["memory"]["arena_bytes"] == MLPERF_INT8[name] == res["memory"]["lower_bound_bytes"], res["memory"]
+    # the ISA kernels' scratch (schedule/q8.py) is planned in the arena, at its lower bound; the
+    # activations alone (the reference kernels, no scratch) take the models' README minimum
+    assert res["memory"]["arena_bytes"] == res["memory"]["lower_bound_bytes"] >= MLPERF_INT8[name], res["memory"]
+    with monkeypatch.context() as mp:
+        mp.setenv("TINYDEPLOY_ALGO", "ref")
+        ref = flow.build(path, "host", tmp_path / "ref", quiet=True).summary
+    assert ref["arena_bytes"] == MLPERF_INT8[name] == ref["lower_bound_bytes"], ref
     b = flow.build(path, "host", tmp_path / "run", quiet=True, reuse=True)
     notes = " ".join(b.summary["notes"])
     if name != "ad_autoencoder_int8.onnx":

@@ -25,9 +25,9 @@ TOOLS = ("gcc", "clang", "arm-none-eabi-gcc", "aarch64-linux-gnu-gcc", "qemu-sys
          "qemu-x86_64", "cmake")
 
 # targets.cpu_features() names -> how CPU vendors spell them.
-FEATURE_LABELS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512F", "avx512_vnni": "AVX512-VNNI",
-                  "avx_vnni": "AVX-VNNI", "neon": "NEON", "dotprod": "dot product", "i8mm": "i8mm"}
-_X86 = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni")
+FEATURE_LABELS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512F", "avx512bw": "AVX-512BW",
+                  "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI", "neon": "NEON", "dotprod": "dot product", "i8mm": "i8mm"}
+_X86 = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni")
 _ARM = ("neon", "dotprod", "i8mm")
 
 

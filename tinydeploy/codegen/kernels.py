@@ -44,7 +44,11 @@ class IsaC:
 ISA_C = {
     "avx2": IsaC("immintrin.h", r"\b_mm256_\w+\("),
     "avx512": IsaC("immintrin.h", r"\b_mm512_\w+\("),
+    "avx512bw": IsaC("immintrin.h", r"\b_mm512_(?:madd_epi16|cvtepi8_epi16|cvtepu8_epi16|unpack(?:lo|hi)_epi16)\("),
+    "avx512-vnni": IsaC("immintrin.h", r"\b_mm512_dpbusd_epi32\("),
+    "avx-vnni": IsaC("immintrin.h", r"\b_mm256_dpbusd_avx_epi32\("),
     "neon": IsaC("arm_neon.h", r"\bv(?:fmaq|ld1q|st1q)_\w+\("),
+    "neon-dotprod": IsaC("arm_neon.h", r"\bvdotq_(?:laneq_)?[su]32\("),
     "cortex-m4-dsp": IsaC("arm_acle.h", r"\b(?:__smla\w+|__[su]xtab16|__[su]xtb16|td_dsp_\w+)\("),
     "cortex-m4-fpu": IsaC(None, r"\btd_fpu_vfma\w*\("),
 }
@@ -61,6 +65,7 @@ class Variant:
 # The ISA variants (and the reference variants of templates that take the ISA as a parameter).
 # Every other (family, dtype) is portable C only: <family>_<dtype>_ref.c.j2 or <family>_ref.c.j2.
 _GEMM_ISAS = ("avx2", "avx512", "neon", "ref")
+_Q8_ISAS = ("avx512-vnni", "avx512bw", "avx-vnni", "avx2", "neon-dotprod", "neon")
 VARIANTS = (
     Variant("conv2d_gemm", ("f32",), _GEMM_ISAS, "conv2d_gemm_f32.c.j2"),
     Variant("conv2d_gemmt", ("f32",), _GEMM_ISAS, "conv2d_gemmt_f32.c.j2"),
@@ -72,6 +77,12 @@ VARIANTS = (
     Variant("dense_gemv", ("f32",), ("avx2", "avx512", "neon"), "dense_gemv_f32.c.j2"),
     Variant("conv2d", ("f32",), ("cortex-m4-fpu",), "conv2d_f32_cortex-m4-fpu.c.j2"),
     Variant("qconv2d", ("s8", "u8"), ("cortex-m4-dsp",), "qconv2d_cortex-m4-dsp.c.j2"),
+    # 8-bit on caching CPUs (schedule/q8.py picks the ISA per layer: the first of the target's
+    # whose Q8 descriptor multiplies the layer's weight type)
+    Variant("qconv2d_gemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_gemm.c.j2"),
+    Variant("qconv2d_igemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_igemm.c.j2"),
+    Variant("qconv2d_dw", ("s8", "u8"), ("avx512bw", "avx2", "neon"), "qconv2d_dw.c.j2"),
+    Variant("qdense_packed", ("s8", "u8"), _Q8_ISAS, "qdense_packed.c.j2"),
     Variant("qdense", ("s8", "u8"), ("cortex-m4-dsp",), "qdense_cortex-m4-dsp.c.j2"),
     Variant("qadd", ("s8", "u8"), ("cortex-m4-dsp",), "qadd_cortex-m4-dsp.c.j2"),
 )
@@ -129,6 +140,11 @@ def variants(family: str, dtype: str) -> list[str]:
     if "ref" not in isas and _ref_template(family, dtype):
         isas.append("ref")
     return sorted(isas, key=lambda v: (v != "ref", v))
+
+
+def has_variant(family: str, dtype: str, isa: str) -> bool:
+    """Whether VARIANTS declares (family, dtype) for `isa`."""
+    return (family, dtype, isa) in _BY_KEY
 
 
 def resolve(family: str, dtype: str, isas: list[str]) -> tuple[str, str]:

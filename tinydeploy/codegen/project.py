@@ -115,8 +115,8 @@ def _param_names(prototype: str) -> list[str]:
 
 # What a constant argument is, from the name the kernel gives its parameter. Kernels over two
 # operands (a, b) take constants as operands; the others name weights, bias and requantisation.
-_ROLES = {"w": "weight", "wp": "weight", "uw": "weight", "b": "bias", "mult": "mult", "shift": "shift",
-          "scale": "scale", "rs": "rscale"}
+_ROLES = {"w": "weight", "wp": "weight", "uw": "weight", "wk": "weight", "b": "bias", "bk": "bias", "mult": "mult",
+          "shift": "shift", "scale": "scale", "rs": "rscale", "rq": "scale"}
 
 
 def _role(param: str, params: list[str]) -> str:
@@ -130,9 +130,11 @@ def _role_text(role: str, param: str, t: ir.Tensor, k: Kernel, isa: str) -> str:
     if role == "weight":
         if param == "uw":
             return "weights, Winograd-transformed (U = G g G^T) and packed at build time for the micro-kernel"
-        if param == "wp" or k.params.get("PACKED"):
+        if param in ("wp", "wk") or k.params.get("PACKED"):
             return f"weights, packed at build time for the {isa} kernel"
         return "weights"
+    if role == "bias" and param == "bk":
+        return "bias, in accumulator units, with the input zero point and offsets the kernel needs folded in"
     if role == "bias":
         return "bias, in accumulator units (s_x * s_w)" if integer else "bias"
     if role == "mult":
@@ -142,7 +144,7 @@ def _role_text(role: str, param: str, t: ir.Tensor, k: Kernel, isa: str) -> str:
     if role == "rscale":
         return "requantisation scales r = m * 2^-shift per output channel (float32, exact)"
     if role == "scale":
-        return "per-channel scale"
+        return "requantisation ratios r per output channel (float32)" if param == "rq" else "per-channel scale"
     if role in ("lhs", "rhs"):
         return f"constant {'first' if role == 'lhs' else 'second'} operand"
     return role

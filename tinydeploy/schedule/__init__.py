@@ -68,6 +68,7 @@ from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
 from tinydeploy.schedule.first import drop_folded
 from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
 from tinydeploy.schedule import mcu, stream
+from tinydeploy.schedule.q8 import select_q8
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 
@@ -75,8 +76,9 @@ from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noq
 def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: int = 1,
                    optimize: str = "balanced") -> list[Kernel | None]:
     """Replace generic fp32 conv2d/dense kernels by faster algorithms where the cost model says
-    so; with threads > 1, spread each fast layer over up to that many threads. `optimize`
-    (balanced, speed, size): what microcontroller kernels may spend flash on (schedule/mcu.py)."""
+    so, and 8-bit ones by the target's ISA kernels (schedule/q8.py); with threads > 1, spread each
+    fast layer over up to that many threads. `optimize` (balanced, speed, size): what
+    microcontroller kernels may spend flash on (schedule/mcu.py)."""
     force = _algo_env()
     # microcontrollers: weights packed for the DSP extension (8-bit) and the FPU (fp32) kernels
     kernels = select_mcu(g, kernels, target, optimize)
@@ -96,6 +98,8 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
             g.notes.append(note)
     out: list[Kernel | None] = []
     for step, k in enumerate(kernels):
+        if k is not None and k.family in ("qconv2d", "qdense") and target.caches:
+            k = select_q8(g, step, k, target, force)      # 8-bit (schedule/q8.py)
         if k is not None and k.dtype == "f32" and k.family in ("conv2d", "dense"):
             choice = forced if forced is not None else db.get(tuning.layer_signature(k)) if db else None
             if k.family == "conv2d":

@@ -18,14 +18,15 @@ def _tiles(isa: str) -> tuple[tuple[int, int, float], ...]:
     return get_isa(isa).tiles
 
 
-def ranked_tiles(isa: str, rows: int, cols: int) -> list[tuple[int, int]]:
-    """The ISA's tiles, least estimated cost first for a rows x cols output (padding + edge tiles)."""
+def ranked_tiles(isa: str, rows: int, cols: int, tiles=None) -> list[tuple[int, int]]:
+    """The ISA's tiles (or `tiles`: the 8-bit ones of ISA.q8), least estimated cost first for a
+    rows x cols output (padding + edge tiles)."""
     def cost(t):
         mr, nr, eff = t
         full = _round_up(rows, mr) * _round_up(cols, nr) * eff
         edges = (rows % mr != 0) * (cols // nr + 1) + (cols % nr != 0) * (rows // mr + 1)
         return full + edges * mr * nr
-    return [(mr, nr) for mr, nr, _ in sorted(_tiles(isa), key=cost)]
+    return [(mr, nr) for mr, nr, _ in sorted(tiles if tiles is not None else _tiles(isa), key=cost)]
 
 
 def pick_tile(isa: str, rows: int, cols: int, choice: dict | None = None) -> tuple[int, int]:

@@ -7,14 +7,17 @@ import re
 from tinydeploy import ir
 from tinydeploy.ops import Kernel
 from tinydeploy.ops.registry import scratch_arg
+from tinydeploy.schedule import q8
 from tinydeploy.schedule.cost import _round_up
 
 
 # ---- threads --------------------------------------------------------------------------------
 
 MIN_THREAD_MACS = 65536     # least work per thread worth an OpenMP fork/join (a few microseconds)
-THREADED = ("conv2d_gemm", "conv2d_igemm", "conv2d_gemmt", "conv2d_dw", "dense_packed")
-_PER_THREAD_SCRATCH = ("conv2d_gemm", "conv2d_dw", "dense_packed")   # the others share theirs
+THREADED = ("conv2d_gemm", "conv2d_igemm", "conv2d_gemmt", "conv2d_dw", "dense_packed",
+            "qconv2d_gemm", "qconv2d_dw", "qdense_packed")
+_PER_THREAD_SCRATCH = ("conv2d_gemm", "conv2d_dw", "dense_packed",
+                       "qconv2d_gemm", "qconv2d_dw")   # the others share theirs
 
 
 def parallel_blocks(k: Kernel) -> int:
@@ -22,15 +25,17 @@ def parallel_blocks(k: Kernel) -> int:
     (conv2d_gemm, dense_packed), MR x NR output tiles (conv2d_igemm, conv2d_gemmt), channels
     (conv2d_dw)."""
     p, f = k.params, k.family
-    if f == "conv2d_gemm":
+    if f in ("conv2d_gemm", "qconv2d_gemm"):
         return -(-p["P"] // p["NR"])
     if f == "dense_packed":
         return -(-p["N"] // p["NR"])
+    if f == "qdense_packed":
+        return p["NP"] // p["NRD"]
     if f == "conv2d_igemm":
         return -(-p["OH"] * p["WP"] // p["NR"]) * -(-p["MG"] // p["MR"])
     if f == "conv2d_gemmt":
         return -(-p["M"] // p["NR"]) * -(-p["P"] // p["MR"])
-    return p["N"] * p["M"] if f == "conv2d_dw" else 1
+    return p["N"] * p["M"] if f in ("conv2d_dw", "qconv2d_dw") else 1
 
 
 def parallelise(g: ir.Graph, step: int, k: Kernel | None, threads: int) -> Kernel | None:
@@ -38,7 +43,7 @@ def parallelise(g: ir.Graph, step: int, k: Kernel | None, threads: int) -> Kerne
     if threads <= 1 or k is None or k.family not in THREADED:
         return k
     p = dict(k.params)
-    macs = p["M"] * p["K"] * p["N"] if k.family == "dense_packed" else \
+    macs = p["M"] * p["K"] * p["N"] if k.family in ("dense_packed", "qdense_packed") else \
         p["N"] * p["M"] * p["OH"] * p["OW"] * (p["C"] // p["G"]) * p["KH"] * p["KW"]
     t = min(threads, parallel_blocks(k), macs // MIN_THREAD_MACS)
     if t <= 1:
@@ -50,6 +55,10 @@ def parallelise(g: ir.Graph, step: int, k: Kernel | None, threads: int) -> Kerne
         p.update(NC=nc, ROWOFF=p["KC"] * nc)
         per = p["KC"] * nc + (0 if p["DIRECT"] else _round_up(nc, 16))
         desc = re.sub(r" nc \d+", f" nc {nc}", desc, count=1)
+    if k.family == "qconv2d_gemm":     # the same for the 8-bit GEMM (schedule/q8.py)
+        p["NC"] = min(p["NC"], -(-parallel_blocks(k) // t) * p["NR"])
+        per = q8.gemm_scratch_words(p)
+        desc = re.sub(r" nc \d+", f" nc {p['NC']}", desc, count=1)
     if k.family in _PER_THREAD_SCRATCH:
         p["WST"] = _round_up(per, 16)   # one slice per thread, on cache lines of its own
         scratch = 4 * t * p["WST"]

@@ -21,13 +21,13 @@ def _cpu_flags() -> set[str]:
 
 # CPU features that decide which kernels run here and how onnxruntime's 8-bit kernels behave
 # (/proc/cpuinfo names: x86 "flags", aarch64 "Features").
-FEATURES = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f", "avx512_vnni": "avx512_vnni",
-            "avx_vnni": "avx_vnni", "neon": "asimd", "dotprod": "asimddp", "i8mm": "i8mm"}
+FEATURES = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f", "avx512bw": "avx512bw",
+            "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "neon": "asimd", "dotprod": "asimddp", "i8mm": "i8mm"}
 
 
 def cpu_features() -> dict[str, bool]:
     """This machine's CPU features that matter to tinydeploy and its reference stack, by name
-    (x86: avx2, fma, avx512f, avx512_vnni, avx_vnni; aarch64: neon, dotprod, i8mm)."""
+    (x86: avx2, fma, avx512f, avx512bw, avx512_vnni, avx_vnni; aarch64: neon, dotprod, i8mm)."""
     flags = _cpu_flags()
     return {name: flag in flags for name, flag in FEATURES.items()}
 
@@ -71,13 +71,22 @@ def this_machine() -> str:
 
 def host() -> Target:
     # -O3: gcc 12 vectorises the kernels' inner loops only at -O3 (measured 3.3x on ResNet-8).
-    # SIMD kernel variants only when this CPU has them (the binary runs here).
+    # SIMD kernel variants only when this CPU has them (the binary runs here), best first; the
+    # 8-bit ISAs (avx512-vnni, avx512bw, avx-vnni) come before the fp32 ones they build on, and
+    # kernel lookup skips an ISA without a variant of the family (codegen/kernels.py).
     flags, isas, extra = _cpu_flags(), [], []
     if this_machine() == "x86_64" and {"avx2", "fma"} <= flags:
         isas, extra = ["avx2"], ["-mavx2", "-mfma"]
+        if "avx_vnni" in flags:
+            isas, extra = ["avx-vnni"] + isas, extra + ["-mavxvnni"]
         if "avx512f" in flags:
-            isas, extra = ["avx512", "avx2"], extra + ["-mavx512f"]
+            isas, extra = ["avx512"] + isas, extra + ["-mavx512f"]
+            if "avx512bw" in flags:
+                isas, extra = ["avx512bw"] + isas, extra + ["-mavx512bw"]
+                if "avx512_vnni" in flags:
+                    isas, extra = ["avx512-vnni"] + isas, extra + ["-mavx512vnni"]
     elif this_machine() == "aarch64":
-        isas = ["neon"]
+        isas = ["neon-dotprod", "neon"] if "asimddp" in flags else ["neon"]
+        extra = ["-march=armv8.2-a+dotprod"] if "asimddp" in flags else []
     return Target("host", os.environ.get("CC", "cc"), WARNINGS + ["-O3"] + extra, isas=isas,
                   l1d_bytes=_cache_bytes(1, 32768), l2_bytes=_cache_bytes(2, 524288), machine=this_machine())

@@ -14,6 +14,25 @@ from tinydeploy.errors import TinydeployError
 
 
 @dataclass(frozen=True)
+class Q8:
+    """How an ISA's 8-bit kernels (qconv2d_gemm, qconv2d_dw, qdense_packed) multiply, exactly.
+    flavour "madd": int16 pairs summed into int32 lanes (x86 vpmaddwd: no saturating 16-bit pair
+    sums); "dot": four 8-bit products summed into int32 lanes (x86 vpdpbusd u8 x s8, Arm SDOT
+    s8 x s8); "mlal": int16 x int16 widened into int32 lanes (Arm SMLAL by lane). `kgroup` reduction
+    steps share one 32-bit lane (2, 4, 1), `lanes` int32 lanes per vector register; `weights` are
+    the weight types (QConv's TW) it multiplies, `tiles` its GEMM register tiles (MR channels x NR
+    pixels, relative cost) and `dense` the output columns of its fully connected kernel; `signed`:
+    a dot product that takes signed activations (SDOT; vpdpbusd takes them unsigned)."""
+    flavour: str
+    kgroup: int
+    lanes: int
+    tiles: tuple[tuple[int, int, float], ...]
+    dense: int
+    weights: tuple[str, ...] = ("int8_t", "uint8_t", "int16_t")
+    signed: bool = False
+
+
+@dataclass(frozen=True)
 class ISA:
     name: str
     description: str
@@ -28,24 +47,43 @@ class ISA:
     features: tuple[str, ...] = field(default=())   # targets.cpu_features() names it needs
     lanes: int = 1                 # fp32 lanes of one vector register (the depthwise and first-layer kernels)
     registers: int = 0             # vector registers (their register blocking)
+    q8: Q8 | None = None           # its 8-bit kernels, if it has any
 
 
 # Register budget of the tiles: avx2 MR*NR/8 + NR/8 + 1 <= 16 ymm; avx512 MR*NR/16 + NR/16 + 1 <=
 # 32 zmm; neon MR*NR/4 + MR/4 + NR/4 <= 32 q registers. Costs measured roughly on the host
 # (AVX-512 / AVX2) with single layers of ResNet-8 and ResNet-50.
+# 8-bit tiles, the same budgets: accumulators MR*NR/lanes, NR/lanes B vectors, one broadcast A
+# (x86); neon MR*NR/4 + NR/8 (int16 B) or NR/4 (dot B) + MR/8 or MR/4 A registers.
+_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32)
+_Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15),
+                                  (8, 16, 1.25)), dense=64)
+_Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
+_Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
+_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16)
+_Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True)
 ISAS = {isa.name: isa for isa in (
     ISA("ref", "portable C99, the fallback of every ISA", tiles=((4, 8, 1.0),), ref_cost=1.5, winograd_lanes=8),
     ISA("avx2", "x86-64 AVX2 + FMA (ymm)", features=("avx2", "fma"), ref_cost=5.0, winograd_lanes=8,
-        lanes=8, registers=16, tiles=((6, 16, 1.0), (4, 24, 1.0), (8, 8, 1.12), (12, 8, 1.08), (4, 16, 1.15))),
+        lanes=8, registers=16, tiles=((6, 16, 1.0), (4, 24, 1.0), (8, 8, 1.12), (12, 8, 1.08), (4, 16, 1.15)),
+        q8=_Q8_MADD_YMM),
+    ISA("avx-vnni", "x86-64 AVX-VNNI (vpdpbusd on ymm: u8 x s8 quads into int32; 8-bit kernels)",
+        features=("avx2", "fma", "avx_vnni"), q8=_Q8_DOT_YMM),
     ISA("avx512", "x86-64 AVX-512F (zmm)", features=("avx512f",), ref_cost=8.0, winograd_lanes=16,
-        lanes=16, registers=32, tiles=((8, 32, 1.0), (4, 48, 1.02), (12, 32, 1.15), (6, 64, 1.1), (24, 16, 1.05),
-                                       (16, 16, 1.1), (8, 16, 1.25))),
-    ISA("neon", "Armv8-A Advanced SIMD (128-bit q registers, vfmaq_laneq_f32)", features=("neon",), ref_cost=4.0,
-        winograd_lanes=4, lanes=4, registers=32,
-        tiles=((8, 12, 1.0), (12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.1))),
+        lanes=16, registers=32,
+        tiles=((8, 32, 1.0), (4, 48, 1.02), (12, 32, 1.15), (6, 64, 1.1), (24, 16, 1.05), (16, 16, 1.1),
+               (8, 16, 1.25))),
+    ISA("avx512bw", "x86-64 AVX-512BW (zmm with 8- and 16-bit lanes: vpmaddwd; 8-bit kernels)",
+        features=("avx512f", "avx512bw"), q8=_Q8_MADD_ZMM),
+    ISA("avx512-vnni", "x86-64 AVX-512 VNNI (vpdpbusd on zmm: u8 x s8 quads into int32; 8-bit kernels)",
+        features=("avx512f", "avx512bw", "avx512_vnni"), q8=_Q8_DOT_ZMM),
+    ISA("neon", "Armv8-A Advanced SIMD (128-bit q registers, vfmaq_laneq_f32; 8-bit: SMLAL by lane)",
+        features=("neon",), ref_cost=4.0, winograd_lanes=4, lanes=4, registers=32,
+        tiles=((8, 12, 1.0), (12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.1)),
+        q8=_Q8_MLAL),
     ISA("neon-dotprod", "Armv8.2-A dot product (SDOT/UDOT) on top of NEON", features=("neon", "dotprod"),
         ref_cost=4.0, winograd_lanes=4, lanes=4, registers=32,
-        tiles=((8, 12, 1.0), (12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.1))),
+        tiles=((8, 12, 1.0), (12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.1)), q8=_Q8_SDOT),
     ISA("cortex-m4-dsp", "Armv7E-M DSP extension: SMLAD on int16 pairs (8-bit kernels)", role="dsp8"),
     ISA("cortex-m4-fpu", "Armv7E-M single-precision FPU registers (fp32 kernels)", role="fpu32"),
 )}

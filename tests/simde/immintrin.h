@@ -1,0 +1,84 @@
+/* Test shim (tests/test_q8_kernels.py): the AVX-512BW and VNNI intrinsics of the 8-bit kernels
+ * (AVX-512F/BW, AVX512-VNNI, AVX-VNNI) implemented by SIMDe (libsimde-dev), so that their code
+ * runs, and is held to the exact reference, on an x86 CPU without them. Found first through -I
+ * by the kernels' `#include <immintrin.h>`: the compiler's own header comes first (its AVX2
+ * intrinsics run natively), then SIMDe, then the kernels' _mm512_* / __m512* names mapped onto
+ * SIMDe's. The few intrinsics SIMDe 0.7.4 lacks are written here from their two 256-bit halves
+ * with the native AVX2 instruction of the same meaning. Never part of a generated project. */
+#ifndef TD_TEST_SIMDE_SHIM_H
+#define TD_TEST_SIMDE_SHIM_H
+#include_next <immintrin.h>
+#include <simde/x86/avx512.h>
+
+/* A 512-bit conversion as the native AVX2 one on both 256-bit halves: RT/AT the SIMDe types,
+ * RH/AH their halves' fields */
+#define TD_SIMDE_HALVES(name, native, RT, RH, AT, AH) \
+    static inline simde__##RT name(simde__##AT a) \
+    { \
+        simde__##AT##_private p = simde__##AT##_to_private(a); \
+        simde__##RT##_private r; \
+        r.RH[0] = native(p.AH[0]); \
+        r.RH[1] = native(p.AH[1]); \
+        return simde__##RT##_from_private(r); \
+    }
+/* vcvtps2dq: float -> int32 in the current rounding mode (to nearest, ties to even) */
+TD_SIMDE_HALVES(td_simde_mm512_cvtps_epi32, _mm256_cvtps_epi32, m512i, m256i, m512, m256)
+/* vcvtdq2ps: int32 -> float, rounded to nearest even */
+TD_SIMDE_HALVES(td_simde_mm512_cvtepi32_ps, _mm256_cvtepi32_ps, m512, m256, m512i, m256i)
+
+/* vpmovzxbw: 32 bytes, zero-extended to 32 int16 */
+static inline simde__m512i td_simde_mm512_cvtepu8_epi16(simde__m256i a)
+{
+    simde__m512i_private r;
+    r.m256i[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(a));
+    r.m256i[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(a, 1));
+    return simde__m512i_from_private(r);
+}
+
+/* vpmovusdb: 16 unsigned int32 -> 16 bytes, saturated to 255 */
+static inline simde__m128i td_simde_mm512_cvtusepi32_epi8(simde__m512i a)
+{
+    simde__m512i_private p = simde__m512i_to_private(a);
+    const __m256i top = _mm256_set1_epi32(255);
+    const __m256i lo = _mm256_min_epu32(p.m256i[0], top), hi = _mm256_min_epu32(p.m256i[1], top);
+    const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+    return _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
+
+/* vpmovuswb: 32 unsigned int16 -> 32 bytes, saturated to 255 */
+static inline simde__m256i td_simde_mm512_cvtusepi16_epi8(simde__m512i a)
+{
+    simde__m512i_private p = simde__m512i_to_private(a);
+    const __m256i top = _mm256_set1_epi16(255);
+    const __m256i lo = _mm256_min_epu16(p.m256i[0], top), hi = _mm256_min_epu16(p.m256i[1], top);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
+}
+
+#define __m512i simde__m512i
+#define __m512 simde__m512
+#define _mm512_cvtps_epi32 td_simde_mm512_cvtps_epi32
+#define _mm512_cvtepi32_ps td_simde_mm512_cvtepi32_ps
+#define _mm512_cvtepu8_epi16 td_simde_mm512_cvtepu8_epi16
+#define _mm512_cvtusepi32_epi8 td_simde_mm512_cvtusepi32_epi8
+#define _mm512_cvtusepi16_epi8 td_simde_mm512_cvtusepi16_epi8
+#define _mm512_add_epi32 simde_mm512_add_epi32
+#define _mm512_castsi512_si256 simde_mm512_castsi512_si256
+#define _mm512_cvtepi8_epi16 simde_mm512_cvtepi8_epi16
+#define _mm512_cvtsepi16_epi8 simde_mm512_cvtsepi16_epi8
+#define _mm512_cvtsepi32_epi8 simde_mm512_cvtsepi32_epi8
+#define _mm512_dpbusd_epi32 simde_mm512_dpbusd_epi32
+#define _mm512_loadu_ps simde_mm512_loadu_ps
+#define _mm512_loadu_si512 simde_mm512_loadu_si512
+#define _mm512_madd_epi16 simde_mm512_madd_epi16
+#define _mm512_max_ps simde_mm512_max_ps
+#define _mm512_min_ps simde_mm512_min_ps
+#define _mm512_mul_ps simde_mm512_mul_ps
+#define _mm512_packs_epi32 simde_mm512_packs_epi32
+#define _mm512_set1_epi32 simde_mm512_set1_epi32
+#define _mm512_set1_ps simde_mm512_set1_ps
+#define _mm512_storeu_si512 simde_mm512_storeu_si512
+#define _mm512_unpackhi_epi16 simde_mm512_unpackhi_epi16
+#define _mm512_unpacklo_epi16 simde_mm512_unpacklo_epi16
+/* AVX-VNNI's vpdpbusd is AVX512-VNNI's on 256 bits */
+#define _mm256_dpbusd_avx_epi32 simde_mm256_dpbusd_epi32
+#endif

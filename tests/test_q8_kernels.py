@@ -1,0 +1,131 @@
+"""The 8-bit kernels per ISA (schedule/q8.py: qconv2d_gemm, qconv2d_igemm, qconv2d_dw,
+qdense_packed), bit for bit against tinydeploy's exact reference (util.check_8bit).
+
+One small chain of layers hits the kernels' edges: odd channel counts and pixel tails, a 3x3
+stride-2 convolution with asymmetric padding, 1x1, depthwise, grouped, a 5x5 window, a fully
+connected layer with an odd K, activation zero points at both ends of their range, and an output
+scale small enough to saturate. It runs under each x86 ISA (AVX2 natively; AVX-512BW, AVX-VNNI and
+AVX-512 VNNI natively where the CPU has them, else through the SIMDe shim in tests/simde, which
+emulates their intrinsics with the same integer results), and under qemu-aarch64 for NEON
+(Cortex-A72) and the dot product (Cortex-A78AE, qemu -cpu cortex-a76). Every ISA runs the
+im2col GEMM, depthwise and fully connected kernels; one ISA per multiply flavour also runs with
+the implicit GEMM forced (TINYDEPLOY_ALGO=qconv2d_igemm: the 3x3 stride-2, 3x3 and 5x5 layers).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_quantized import QDQ, qrange
+from tinydeploy import flow, reference, targets
+from tinydeploy.runners.local import LocalRunner
+from util import check_8bit, mlperf_model, require, save
+
+SIMDE_SHIM = Path(__file__).parent / "simde"
+# the CPU features each x86 ISA needs natively, and its gcc flags
+X86 = {"avx2": ((), []),
+       "avx512bw": (("avx512f", "avx512bw"), ["-mavx512f", "-mavx512bw"]),
+       "avx-vnni": (("avx_vnni",), ["-mavxvnni"]),
+       "avx512-vnni": (("avx512f", "avx512bw", "avx512_vnni"), ["-mavx512f", "-mavx512bw", "-mavx512vnni"])}
+
+
+def chain_model(dtype, seed=0):
+    lo, hi = qrange(dtype)
+    b = QDQ(seed)
+
+    def conv(x, xs, c, m, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, act=None):
+        ws = (b.rng.uniform(0.5, 2.0, m) * 2e-3).astype(np.float32)
+        w = b.weights((m, c // group, *k), np.int8, ws, np.zeros(m, np.int8), axis=0)
+        y = b.node("Conv", [x, w, b.bias(m, (np.float32(xs) * ws).astype(np.float32))], kernel_shape=list(k),
+                   strides=list(s), pads=list(pads), group=group)
+        return b.node("Relu", [y]) if act == "relu" else y
+
+    def requant(y, scale, zp):
+        return b.dq(b.q(y, scale, zp, dtype), scale, zp, dtype), scale
+
+    x, xs = b.dq("x", 0.05, lo, dtype), 0.05                                      # zero point at the bottom
+    x, xs = requant(conv(x, xs, 5, 13, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)   # odd, s2, padded
+    x, xs = requant(conv(x, xs, 13, 20, (1, 1)), 0.05, lo + 3)                    # pointwise, odd C
+    x, xs = requant(conv(x, xs, 20, 20, (3, 3), pads=(1, 1, 1, 1), group=20), 1e-3, 0)   # depthwise, saturates
+    x, xs = requant(conv(x, xs, 20, 9, (3, 3), pads=(1, 1, 1, 1)), 0.07, 1)      # 3x3 over whole groups
+    x, xs = requant(conv(x, xs, 9, 6, (3, 3), pads=(0, 1, 1, 1), group=3), 0.06, hi - 2)   # grouped
+    x, xs = requant(conv(x, xs, 6, 7, (5, 5), pads=(2, 2, 2, 2)), 0.05, 0)        # 5x5, odd M
+    f, xs = requant(b.node("Flatten", [x]), xs, 0)
+    k = 7 * 5 * 5                                                             # odd K
+    ws = np.float32(3e-3)
+    y = b.node("Gemm", [f, b.weights((11, k), np.int8, ws), b.bias(11, np.float32(xs) * ws)], transB=1)
+    yq = b.q(y, 0.1, lo + 1, dtype)
+    return b.model([("x", dtype, [1, 5, 11, 10])], [(yq, dtype)])
+
+
+def _kernels(build_dir: Path) -> set[str]:
+    src = (build_dir / "td_kernels.c").read_text()
+    return {f for f in ("qconv2d_gemm", "qconv2d_igemm", "qconv2d_dw", "qdense_packed") if f + "_" in src}
+
+
+DTYPES = [pytest.param(np.int8, id="s8"), pytest.param(np.uint8, id="u8")]
+AUTO = {"qconv2d_gemm", "qconv2d_dw", "qdense_packed"}
+# the implicit GEMM, chosen only when forced: once per multiply flavour (madd, dot, mlal)
+IGEMM = {"avx2", "avx512-vnni", "rpi4", "jetson-orin"}
+
+
+def _cases(places):
+    return [pytest.param(w, a, id=f"{w}-{a}") for w in places
+            for a in ["auto"] + (["qconv2d_igemm"] if w in IGEMM else [])]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa, algo", _cases(X86))
+def test_x86_kernels_bit_exact(isa, algo, dtype, tmp_path, monkeypatch):
+    base = targets.host()
+    if base.machine != "x86_64" or "avx2" not in base.isas:
+        pytest.skip("needs an x86-64 host with AVX2")
+    features, native_flags = X86[isa]
+    feats = targets.cpu_features()
+    if all(feats.get(f) for f in features):
+        flags = native_flags
+    else:                                        # emulated: SIMDe's intrinsics on AVX2
+        if not Path("/usr/include/simde/x86/avx512.h").is_file():
+            pytest.skip(f"{isa} is not on this CPU and SIMDe (libsimde-dev) is not installed")
+        flags = [f"-I{SIMDE_SHIM}", "-Wno-psabi"]     # SIMDe passes 512-bit structs by value
+    cflags = [f for f in base.cflags if not f.startswith(("-mavx", "-mfma"))] + ["-mavx2", "-mfma"] + flags
+    monkeypatch.setitem(targets.TARGETS, "host",
+                        lambda: dataclasses.replace(targets.host(), cflags=cflags, isas=[isa, "avx2"]))
+    monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
+    path = save(chain_model(dtype), tmp_path)
+    b = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
+    assert _kernels(tmp_path / "b") == AUTO | ({"qconv2d_igemm"} if algo != "auto" else set())
+    assert f"({isa})" in (tmp_path / "b" / "td_kernels.c").read_text()
+    specs = flow.io_specs(b.summary, "inputs")
+    out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+    for seed in (0,):
+        x = reference.random_inputs(specs, seed)
+        got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"{isa} {algo} seed {seed}", lsb_scales=b.summary.get("output_lsb"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("board, algo", _cases(["rpi4", "jetson-orin"]))      # neon; neon-dotprod
+def test_aarch64_kernels_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
+    path = save(chain_model(dtype), tmp_path)
+    for seed in (0,):
+        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert _kernels(tmp_path / "b") == AUTO | ({"qconv2d_igemm"} if algo != "auto" else set())
+    assert ("vdotq_" in src) == (board == "jetson-orin")
+
+
+def test_threads_bit_exact(tmp_path):
+    """--threads 2: the 8-bit kernels' blocks split over OpenMP threads, the same bits."""
+    res = flow.run(mlperf_model("vww_mobilenetv1_int8.onnx"), outdir=tmp_path / "b", quiet=True, latency=False,
+                   threads=2)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert "omp parallel" in src and "qconv2d_dw_" in src and "qconv2d_gemm_" in src

@@ -1,0 +1,349 @@
+"""8-bit kernel selection on CPUs with data caches (the host, Cortex-A): the integer GEMM
+convolution, the depthwise convolution and the fully connected layer per ISA, each bit-exact with
+the reference kernels it replaces (docs/quantization.md: the same int32 sums, the same float32
+requantisation).
+
+Which ISA: the first of the target's (targets/isa.py, best first) that has a variant of the family
+(codegen/kernels.py) and whose 8-bit descriptor (ISA.q8) multiplies the layer's weight type. The
+descriptor says how it multiplies exactly:
+  madd  int16 pairs summed into int32 lanes (x86 vpmaddwd, ymm or zmm): activations widened to
+        int16 as x - zx (|x - zx| <= 255) and weights as int16 (int8, uint8, or w - zw): a pair
+        sum is at most 2 * 255 * 255, so nothing saturates (unlike vpmaddubsw's 16-bit sums)
+  dot   four 8-bit products summed into int32 lanes (x86 vpdpbusd: u8 activations x s8 weights;
+        Arm SDOT: s8 x s8): int8 weights only. Activations of the other signedness are moved by
+        128 (x ^ 0x80), padded taps hold the input zero point, and the bias absorbs both:
+        b_k = b' - (zx_loop + off) * sum(w) over every tap (int32 arithmetic wraps; the true
+        accumulator fits, quant.fit_int32 proved it, so the wrapped sum is the reference's)
+  mlal  int16 x int16 products widened into int32 lanes (Arm SMLAL by lane), activations as madd.
+
+Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
+qdense_packed.c.j2; the ISA pieces in _q8.j2):
+  qconv2d_gemm   convolution with any groups except depthwise as a GEMM per image and group,
+                 Y[MG][P] = W[MG][K] . B[K][P]: weights packed at build time into MR-channel
+                 panels of k-groups ([G][MP/MR][KGN][MR] words, zero rows and k padding), the
+                 activations packed at run time into NR-column panels (rows of the input itself
+                 for 1x1 stride-1 unpadded layers, im2col rows otherwise; padded taps hold the
+                 input zero point), KC k-groups x NC columns at a time (the block stays in L2,
+                 a B micro-panel in L1); int32 partial sums of a K split wait in scratch; the
+                 last block's tile is requantised in registers and stored as bytes.
+  qconv2d_dw     depthwise (group == in == out channels): per channel a zero-padded int16 copy
+                 of the plane (x - zx), one plane per stride phase, then every output of the
+                 flattened plane at once: tap pairs by vpmaddwd (x86) or taps by SMLAL (neon).
+  qconv2d_igemm  one-group KxK convolution as an implicit GEMM over zero-point-padded planes of
+                 KG interleaved channels (no im2col; taps unrolled): only when forced
+                 (TINYDEPLOY_ALGO=qconv2d_igemm), see igemm_fits.
+  qdense_packed  fully connected: output columns in the vector lanes (weights packed at build
+                 time [N/NRD][KGN][NRD][KG], int8 kept int8 and widened as loaded), the input
+                 row broadcast a k-group at a time, the requantisation per column in registers.
+TINYDEPLOY_ALGO=ref keeps the reference kernels (as for fp32).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from tinydeploy import ir
+from tinydeploy.codegen import kernels as kreg
+from tinydeploy.ops import Kernel
+from tinydeploy.ops.registry import new_const, scratch_arg
+from tinydeploy.schedule.cost import IGEMM_MAX_TAPS, _round_up, ranked_tiles
+from tinydeploy.targets.isa import Q8, get_isa
+
+FAMILIES = ("qconv2d_gemm", "qconv2d_igemm", "qconv2d_dw", "qdense_packed")
+DW_MAX_TAPS = 64          # depthwise windows up to 8x8 (taps unrolled); larger ones take the GEMM
+
+
+def q8_isa(family: str, k: Kernel, target) -> str | None:
+    """The first of the target's ISAs with a variant of `family` that multiplies this layer's
+    weight type, or None."""
+    if k.params.get("TX") not in ("int8_t", "uint8_t"):
+        return None
+    for isa in target.isas:
+        q = get_isa(isa).q8
+        if q is not None and k.params.get("TW") in q.weights and kreg.has_variant(family, k.dtype, isa):
+            return isa
+    return None
+
+
+def act_offset(q: Q8, tx: str, zx_loop: int) -> tuple[int, bool]:
+    """(off, flip): the kernel multiplies v = x + off, as int16 (madd, mlal: off = -zx_loop) or as
+    bytes of the signedness its dot product wants (flip: x ^ 0x80, off = +-128)."""
+    if q.flavour != "dot":
+        return -zx_loop, False
+    signed = tx == "int8_t"
+    flip = signed != q.signed
+    return ((128 if signed else -128) if flip else 0), flip
+
+
+def wrap32(v: np.ndarray) -> np.ndarray:
+    """int64 -> int32 modulo 2^32 (the kernels' int32 adds wrap the same way)."""
+    return ((np.asarray(v, np.int64) + 2 ** 31) % 2 ** 32 - 2 ** 31).astype(np.int32)
+
+
+def requant_scales(m: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """R = f32(m) * 2^-s, the float32 ratio every requantisation multiplies by (exact.requant_f32)."""
+    return (np.asarray(m, np.int64).astype(np.float32)
+            * np.ldexp(np.float32(1.0), -np.asarray(s, np.int64)).astype(np.float32)).astype(np.float32)
+
+
+def group_words(a: np.ndarray, flavour: str) -> np.ndarray:
+    """[..., KG] integer values -> what the kernels load: int32 words of KG int16 (madd) or KG
+    bytes (dot), the first in the low bits; int16 as they are for mlal (KG = 1)."""
+    a = np.asarray(a, np.int64)
+    if flavour == "mlal":
+        return a[..., 0].astype(np.int16)
+    bits = 16 if flavour == "madd" else 8
+    mask = (1 << bits) - 1
+    word = np.zeros(a.shape[:-1], np.int64)
+    for i in range(a.shape[-1]):
+        word |= (a[..., i] & mask) << (bits * i)
+    return word.astype(np.uint32).view(np.int32)
+
+
+def _conv_weights(g: ir.Graph, k: Kernel) -> np.ndarray:
+    """The reference kernel's weights as [M][C/G * KH * KW] (undoing its pixel-form re-layout)."""
+    p = k.params
+    w = k.tensor(k.args[1], g).data.astype(np.int64)
+    if p["form"] == "pixel":
+        w = w.reshape(p["C"], p["KH"], p["KW"], p["M"]).transpose(3, 0, 1, 2)
+    return w.reshape(p["M"], -1)
+
+
+def _channel_consts(g, k, consts, q, isa, w_rows, zx_loop, tx, rows_per_group, padded_rows):
+    """bias_k (int32) and R (float32) per output channel, padded per group to `padded_rows`."""
+    off, _ = act_offset(q, tx, zx_loop)
+    b = k.tensor(k.args[2], g).data.astype(np.int64)
+    bias = b - (zx_loop + off) * w_rows.sum(axis=1)
+    r = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
+    groups = len(b) // rows_per_group
+    bk = np.zeros((groups, padded_rows), np.int64)
+    rk = np.zeros((groups, padded_rows), np.float32)
+    bk[:, :rows_per_group] = bias.reshape(groups, rows_per_group)
+    rk[:, :rows_per_group] = r.reshape(groups, rows_per_group)
+    base = k.args[-1]
+    return (new_const(g, consts, base + "_bias_" + isa.replace("-", "_"), wrap32(bk.reshape(-1))),
+            new_const(g, consts, base + "_requant_scale", rk.reshape(-1)))
+
+
+def tile_fits(q: Q8, mr: int, nr: int) -> bool:
+    """Whether the ISA's kernels can be generated for an MR x NR tile (lanes, register loads)."""
+    step = 8 if q.lanes == 4 else q.lanes          # neon: int16 B registers of 8 columns
+    return mr >= 1 and nr >= step and nr % step == 0 and (q.lanes != 4 or mr % 4 == 0)
+
+
+def _tile(q: Q8, rows: int, cols: int) -> tuple[int, int]:
+    """The ISA's 8-bit tile of least estimated cost, or TINYDEPLOY_TILE=MRxNR where it fits."""
+    forced = os.environ.get("TINYDEPLOY_TILE", "")
+    if forced:
+        mr, nr = (int(v) for v in forced.lower().split("x"))
+        if tile_fits(q, mr, nr):
+            return mr, nr
+    return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
+
+
+def _group_bytes(q: Q8) -> int:
+    """Bytes one column of a packed activation panel takes per k-group."""
+    return 2 * q.kgroup if q.flavour in ("madd", "mlal") else q.kgroup
+
+
+def gemm_scratch_words(p: dict) -> int:
+    """int32 words of scratch one thread of qconv2d_gemm uses: the packed B block, the im2col row
+    buffers, the int32 partial sums of a split K."""
+    b = -(-p["NC"] // p["NR"]) * p["NR"] * p["KCG"] * p["GB"]
+    rows = 0 if p["DIRECT"] else p["KG"] * _round_up(p["NC"], 64)
+    acc = 4 * p["MP"] * _round_up(p["NC"], p["NR"]) if p["KB"] > 1 else 0
+    return (_round_up(b, 64) + rows + acc) // 4
+
+
+def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
+    p = dict(k.params)
+    q = get_isa(isa).q8
+    G = p["G"]
+    mg, cg = p["M"] // G, p["C"] // G
+    kk = cg * p["KH"] * p["KW"]
+    kg = q.kgroup
+    kgn = -(-kk // kg)
+    cols = p["OH"] * p["OW"]
+    mr, nr = _tile(q, mg, cols)
+    mp = _round_up(mg, mr)
+    gb = _group_bytes(q)
+    l1, l2 = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288)
+    kcg = min(kgn, max(16, (l1 // 2) // (nr * gb)))
+    blocks = -(-kgn // kcg)
+    kcg = -(-kgn // blocks)
+    nc = min(_round_up(cols, nr), max(nr, (l2 // 2) // (kcg * gb) // nr * nr))
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    off, flip = act_offset(q, p["TX"], zx_loop)
+    w = _conv_weights(g, k)                                   # [M][K]
+    wp = np.zeros((G, mp, kgn * kg), np.int64)
+    wp[:, :mg, :kk] = w.reshape(G, mg, kk)
+    wp = wp.reshape(G, mp // mr, mr, kgn, kg).transpose(0, 1, 3, 2, 4)    # [G][MP/MR][KGN][MR][KG]
+    consts = {}
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), group_words(wp, q.flavour).reshape(-1))
+    bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], mg, mp)
+    direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0 and (
+        p["OH"], p["OW"]) == (p["H"], p["W"])
+    p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
+             NR=nr, NC=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
+             ZXL=zx_loop, PADB=p["ZX"] % 256)
+    scratch = 4 * gemm_scratch_words(p)
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    how = "direct" if direct else "im2col"
+    desc = f"[qconv2d_gemm {isa} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
+
+
+def igemm_fits(p: dict) -> bool:
+    """The implicit GEMM takes one group and a KH x KW > 1 window (taps unrolled). It is chosen
+    only when forced (TINYDEPLOY_ALGO=qconv2d_igemm): measured on an AVX2 host, the im2col GEMM
+    ran every 3x3 / 7x7 layer of ResNet-50 (uint8) and the MLPerf Tiny int8 models as fast or
+    faster (ResNet-50 151 ms against 273 ms, IC 371 us against 414 us)."""
+    return p["G"] == 1 and 1 < p["KH"] * p["KW"] <= IGEMM_MAX_TAPS
+
+
+def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
+    p = dict(k.params)
+    q = get_isa(isa).q8
+    kg = q.kgroup
+    hp, wp, phases, offs = dw_geometry(p)
+    taps = p["KH"] * p["KW"]
+    cgn = -(-p["C"] // kg)
+    pls = _round_up(len(phases) * hp * wp, 16)
+    flat = p["OH"] * wp
+    mr, nr = _tile(q, p["M"], flat)
+    flatp = _round_up(flat, nr)
+    planes = _round_up((cgn - 1) * pls + max(pls, max(offs) + flatp), 16)
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    off, flip = act_offset(q, p["TX"], zx_loop)
+    w = _conv_weights(g, k)                                             # [M][C * taps]
+    mp = _round_up(p["M"], mr)
+    wc = np.zeros((mp, cgn * kg, taps), np.int64)
+    wc[:p["M"], :p["C"]] = w.reshape(p["M"], p["C"], taps)
+    # k-group (channel group, tap): [MP/MR][CGN * taps][MR][KG]
+    wc = wc.reshape(mp // mr, mr, cgn, kg, taps).transpose(0, 2, 4, 1, 3).reshape(mp // mr, cgn * taps, mr, kg)
+    consts = {}
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), group_words(wc, q.flavour).reshape(-1))
+    bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["M"], mp)
+    padv = 0
+    if q.flavour == "dot":                  # four bytes of the zero point (as the kernel reads x)
+        padv = int(np.array([((p["ZX"] % 256) ^ (0x80 if flip else 0)) * 0x01010101], np.uint32).view(np.int32)[0])
+    unit = 2 if q.flavour == "mlal" else 4
+    p.update(algo="qconv2d_igemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=cgn * taps, CGN=cgn, PLS=pls, HP=hp,
+             WP=wp, PHASES=phases, OFFS=offs, FLAT=flat, FLATP=flatp, PLANES=planes, MR=mr, NR=nr, MP=mp,
+             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv)
+    scratch = unit * planes + _round_up(p["M"] * flatp, 64)
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    desc = f"[qconv2d_igemm {isa} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    return Kernel("qconv2d_igemm", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
+                  scratch_dtype="int32")
+
+
+def dw_geometry(p: dict) -> tuple[int, int, list[dict], list[int]]:
+    """(HP, WP, phases, tap offsets) of the depthwise kernel's padded planes: one plane per stride
+    phase (py, px) a tap uses; tap (ky, kx) reads phase ((ky*DH) % SH, (kx*DW) % SW) at row
+    (ky*DH) // SH, column (kx*DW) // SW of the flattened output index oy*WP + ox. Each phase
+    lists the plane columns [lo, hi) that come from the image."""
+    sh, sw, dh, dw = p["SH"], p["SW"], p["DH"], p["DW"]
+    hp = p["OH"] + (p["KH"] - 1) * dh // sh
+    wp = p["OW"] + (p["KW"] - 1) * dw // sw
+    taps = [(ky * dh, kx * dw) for ky in range(p["KH"]) for kx in range(p["KW"])]
+    phases = sorted({(ty % sh, tx % sw) for ty, tx in taps})
+    offs = [phases.index((ty % sh, tx % sw)) * hp * wp + (ty // sh) * wp + tx // sw for ty, tx in taps]
+    ph = []
+    for py, px in phases:
+        lo = min(max(0, -(-(p["PL"] - px) // sw)), wp)
+        hi = max(min(wp, -(-(p["W"] + p["PL"] - px) // sw)), lo)
+        ph.append({"py": py, "px": px, "lo": lo, "hi": hi})
+    return hp, wp, ph, offs
+
+
+def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
+    p = dict(k.params)
+    q = get_isa(isa).q8
+    hp, wp, phases, offs = dw_geometry(p)
+    taps = p["KH"] * p["KW"]
+    lanes = 2 * q.lanes                          # outputs per iteration: two vectors of int32
+    flat = p["OH"] * wp
+    span = _round_up(flat, lanes)
+    planes = len(phases) * hp * wp
+    plane_len = _round_up(max(planes, max(offs) + span), 16)
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    w = _conv_weights(g, k)                                   # [C][taps]
+    consts = {}
+    if q.flavour == "madd":                   # tap pairs as int16 words, the last paired with 0
+        npair = -(-taps // 2)
+        wt = np.zeros((p["C"], npair * 2), np.int64)
+        wt[:, :taps] = w
+        wdat = group_words(wt.reshape(p["C"], npair, 2), "madd")
+    else:                                     # int16 taps, 8 per q register
+        wt = np.zeros((p["C"], _round_up(taps, 8)), np.int64)
+        wt[:, :taps] = w
+        wdat = wt.astype(np.int16)
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
+    bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
+    p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
+             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, PLANE=plane_len, ZXL=zx_loop)
+    # int16 planes, then the output bytes of the flattened plane
+    scratch = 2 * plane_len + _round_up(span, 64)
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    desc = f"[qconv2d_dw {isa} {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts, scratch_dtype="int32")
+
+
+def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
+    p = dict(k.params)
+    q = get_isa(isa).q8
+    m, kk, n = p["M"], p["K"], p["N"]
+    kg = q.kgroup
+    kgn = -(-kk // kg)
+    if q.flavour == "dot" and q.lanes == 4:
+        kgn = _round_up(kgn, 4)               # Arm: the input's k-groups are read 4 to a register
+    if q.flavour == "mlal":
+        kgn = _round_up(kgn, 8)               # 8 int16 inputs to a register
+    # whole vectors of columns (mlal: int16 weight registers of 8 columns)
+    nrd = min(q.dense, _round_up(n, 8 if q.flavour == "mlal" else q.lanes))
+    npad = _round_up(n, nrd)
+    w = k.tensor(k.args[1], g).data.astype(np.int64)            # [N][K]
+    wk = np.zeros((npad, kgn * kg), np.int64)
+    wk[:n, :kk] = w
+    wk = wk.reshape(npad // nrd, nrd, kgn, kg).transpose(0, 2, 1, 3)         # [N/NRD][KGN][NRD][KG]
+    consts = {}
+    if q.flavour == "dot":
+        wdat = wk.astype(np.int8)
+    else:                                      # kept in the weight type, widened as loaded
+        wdat = wk.astype(np.dtype({"int8_t": np.int8, "uint8_t": np.uint8, "int16_t": np.int16}[p["TW"]]))
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
+    bname, rname = _channel_consts(g, k, consts, q, isa, w, 0, p["TX"], n, npad)
+    off, flip = act_offset(q, p["TX"], 0)
+    p.update(algo="qdense_packed", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, NRD=nrd, NP=npad,
+             XOFF=off, FLIP=flip)
+    scratch = 4 * kgn if q.flavour != "mlal" else 2 * kgn
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    desc = f"[qdense_packed {isa} {nrd} columns] {k.desc}"
+    return Kernel("qdense_packed", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts,
+                  scratch_dtype="int32")
+
+
+def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:
+    """The 8-bit kernel of one QConv / QDense layer (the reference when no ISA variant applies or
+    TINYDEPLOY_ALGO=ref)."""
+    p = k.params
+    fam = None
+    if k.family == "qconv2d":
+        depthwise = p["G"] == p["C"] == p["M"] > 1 and p["KH"] * p["KW"] <= DW_MAX_TAPS
+        fam = "qconv2d_dw" if depthwise else "qconv2d_gemm"
+        if fam == "qconv2d_gemm":
+            isa = q8_isa("qconv2d_igemm", k, target) if force != "ref" else None
+            if isa is not None and force == "qconv2d_igemm" and igemm_fits(p):
+                fam = "qconv2d_igemm"
+    elif k.family == "qdense":
+        fam = "qdense_packed"
+    isa = q8_isa(fam, k, target) if fam and force != "ref" else None
+    if isa is None:
+        k.params = dict(p, algo="ref")
+        k.desc = f"[ref direct] {k.desc}"
+        return k
+    select = {"qconv2d_gemm": select_qconv_gemm, "qconv2d_igemm": select_qconv_igemm, "qconv2d_dw": select_qconv_dw,
+              "qdense_packed": select_qdense}[fam]
+    return select(g, step, k, target, isa)
