@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from util import REPO, mlperf_model
+from util import REPO, assert_arena_tight, mlperf_model
 
 FP32_MODELS = ["ic_resnet8_fp32.onnx", "kws_dscnn_fp32.onnx", "vww_mobilenetv1_fp32.onnx", "ad_autoencoder_fp32.onnx"]
 
@@ -17,19 +17,6 @@ def run_json(model, tmp_path, *extra):
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, f"--json must print exactly one JSON object, got {r.stdout!r}"
     return json.loads(lines[0])
-
-
-def assert_arena_tight(model, mem):
-    """The host's arena lies between the activations' per-layer lower bound (planner.lower_bound,
-    activations alone) and the worst step's activations plus that step's kernel scratch (the
-    GEMM kernels' packing: its size follows the host's ISA, so the bound is computed, not pinned):
-    placement adds no fragmentation above what one step needs."""
-    from tinydeploy.pipeline import compile_model
-    from tinydeploy.targets import get_target
-    c = compile_model(model, get_target("host"))
-    need = max(sum(b.size for b in c.plan.buffers if b.start <= k <= b.end) for k in range(len(c.graph.nodes)))
-    assert (mem["lower_bound_bytes"], mem["arena_bytes"]) == (c.plan.lower_bound, c.plan.arena_bytes)
-    assert 0 < c.plan.lower_bound <= c.plan.arena_bytes <= need
 
 
 @pytest.mark.parametrize("name", FP32_MODELS)

@@ -115,3 +115,17 @@ def check_model_lsb(model: onnx.ModelProto | Path, tmp_path: Path, feeds: dict |
             results.append(check_8bit(path, x, got, input_shapes, exact_required, f"{v}, seed {seed}",
                                       b.summary.get("output_lsb")))
     return results
+
+
+def assert_arena_tight(model, mem, board: str = "host"):
+    """The arena of `model` on `board` (`mem`: the `memory` of `run --json`) lies between the
+    activations' per-layer lower bound (planner.lower_bound, activations alone) and the worst
+    step's live buffers with that step's kernel scratch (GEMM packing, im2col blocks: their size
+    follows the ISA, so the bound is computed here, not pinned): placement adds no fragmentation
+    above what one step needs."""
+    from tinydeploy.pipeline import compile_model
+    from tinydeploy.targets.boards import get_board
+    c = compile_model(model, get_board(board).make_target(), board=board)
+    need = max(sum(b.size for b in c.plan.buffers if b.start <= k <= b.end) for k in range(len(c.graph.nodes)))
+    assert (mem["lower_bound_bytes"], mem["arena_bytes"]) == (c.plan.lower_bound, c.plan.arena_bytes)
+    assert 0 < c.plan.lower_bound <= c.plan.arena_bytes <= need

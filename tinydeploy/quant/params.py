@@ -37,7 +37,11 @@ def quantize_multiplier(r: float) -> tuple[int, int]:
     return m, s
 
 
-RATIO_MIN, RATIO_MAX = 2.0 ** -31, 2.0 ** 30   # where quantize_multiplier is exact for every float32
+# Where quantize_multiplier holds a float32 ratio well enough. Up from 2**30 it saturates. Below
+# 2**-31 it keeps fewer bits, but there |acc * r| < 1 for every int32 accumulator, so what the lost
+# bits can move is a rounding tie (per-channel ratios of dead channels in real models reach 1e-11);
+# below the smallest normal float32 the ratio itself is not what float32 arithmetic computes.
+RATIO_MIN, RATIO_MAX = 2.0 ** -126, 2.0 ** 30
 
 
 def exact_ratios(*ratios) -> bool:
