@@ -173,6 +173,20 @@ def outputs_of(path, outdir, feeds=None, board="host"):
     return got, x, (outdir / "td_kernels.c").read_text()
 
 
+def neon_matches_onnxruntime_and_ref(path, tmp_path, monkeypatch) -> str:
+    """The model built for the Raspberry Pi 4 and run under qemu-aarch64: against onnxruntime,
+    and against the reference kernels (TINYDEPLOY_ALGO=ref) in the same emulator on the same
+    inputs. Returns the fast build's kernel source."""
+    got, x, src = outputs_of(path, tmp_path / "neon", board="rpi4")
+    res = reference.compare(got, reference.run_onnxruntime(path.read_bytes(), x), flow.FP32_RTOL)
+    assert res["outputs_match"] and res["max_rel_error"] <= 1e-4, res
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "ref")
+    ref, _, _ = outputs_of(path, tmp_path / "ref", x, board="rpi4")
+    res = reference.compare(got, ref, 1e-5)
+    assert res["outputs_match"], res
+    return src
+
+
 def assert_close_to_reference(path, tmp_path, monkeypatch, fast_c_marker: str):
     """The forced fast algorithm gives the reference kernel's result (same inputs, same build)."""
     fast, x, src = outputs_of(path, tmp_path / "build-gcc")
@@ -294,12 +308,5 @@ def test_forced_algorithm_neon_under_qemu(name, algo, tmp_path, monkeypatch):
         monkeypatch.setitem(targets.TARGETS, "aarch64-cortex-a72",
                             lambda: dataclasses.replace(real(), l1d_bytes=2048, l2_bytes=16384))
     path = save(model_for(name), tmp_path)
-    got, x, src = outputs_of(path, tmp_path / "neon", board="rpi4")
+    src = neon_matches_onnxruntime_and_ref(path, tmp_path, monkeypatch)
     assert f"{algo} f32 (neon)" in src
-    res = reference.compare(got, reference.run_onnxruntime(path.read_bytes(), x), flow.FP32_RTOL)
-    assert res["outputs_match"] and res["max_rel_error"] <= 1e-4, res
-    # and against the reference kernel: same inputs, same emulator
-    monkeypatch.setenv("TINYDEPLOY_ALGO", "ref")
-    ref, _, _ = outputs_of(path, tmp_path / "ref", x, board="rpi4")
-    res = reference.compare(got, ref, 1e-5)
-    assert res["outputs_match"], res

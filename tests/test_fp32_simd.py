@@ -17,7 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from test_fast_kernels import HOST_ISAS, outputs_of, use_host
+from test_fast_kernels import HOST_ISAS, neon_matches_onnxruntime_and_ref, outputs_of, use_host
 from tinydeploy import flow, reference, targets
 from util import check_model, make_model, require, save
 
@@ -208,14 +208,7 @@ def test_neon_variants_under_qemu(algo, tmp_path, monkeypatch):
     require("qemu-aarch64")
     monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
     path = _model(tmp_path, algo)
-    got, x, src = outputs_of(path, tmp_path / "neon", board="rpi4")
-    _expect(src, algo, "neon")
-    res = reference.compare(got, reference.run_onnxruntime(path.read_bytes(), x), flow.FP32_RTOL)
-    assert res["outputs_match"] and res["max_rel_error"] <= 1e-4, res
-    monkeypatch.setenv("TINYDEPLOY_ALGO", "ref")
-    ref, _, _ = outputs_of(path, tmp_path / "ref", x, board="rpi4")
-    res = reference.compare(got, ref, 1e-5)
-    assert res["outputs_match"], res
+    _expect(neon_matches_onnxruntime_and_ref(path, tmp_path, monkeypatch), algo, "neon")
 
 
 def test_no_reference_dense_on_aarch64(tmp_path):

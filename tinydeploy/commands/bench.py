@@ -231,6 +231,22 @@ def bench_emulated(models: list[str], board, as_json: bool, threads: int = 1, pe
     return rows
 
 
+def _print_counted_layers(title: str, layers: list[dict], unit: str, extra: tuple | None = None) -> None:
+    """One line per layer of an exact count (`unit`: the rows' key, e.g. instructions): step, op,
+    name, algorithm, MACs, the count, MACs per count, an `extra` column (header, value of a row)
+    and the layer's share."""
+    head, value = extra if extra else ("", None)
+    print(title)
+    print(f"{'step':>4}  {'op':<14} {'name':<24} {'algorithm':<44} {'MACs':>12} {unit:>13} {'MACs/instr':>10}"
+          + (f" {head:>7}" if value else "") + f" {'share':>6}")
+    for x in layers:
+        name = x["name"] if len(x["name"]) <= 24 else "..." + x["name"][-21:]
+        mpi = f"{x['macs'] / x[unit]:.3f}" if x["macs"] and x[unit] else "-"
+        cost = f"{x[unit]:,.0f}" if x[unit] is not None else "-"
+        print(f"{x['step']:>4}  {x['op'][:14]:<14} {name:<24} {x['algorithm'][:44]:<44} {x['macs']:>12,} {cost:>13} "
+              f"{mpi:>10}" + (f" {value(x):>7}" if value else "") + f" {x['share_percent']:>5.1f}%")
+
+
 def bench_layers_counted(models: list[str], board, as_json: bool, threads: int = 1, max_weights_bytes=None) -> list[dict]:
     """`bench --layers --emulate` of a Linux board: exact instructions per layer under user-mode
     QEMU (a -DTD_PROFILE build; the plugin counts between the hooks and leaves them out)."""
@@ -261,15 +277,9 @@ def bench_layers_counted(models: list[str], board, as_json: bool, threads: int =
         print_json(results)
         return results
     for r in results:
-        print(f"{r['model']} on {r['board']} (under {' '.join(board.qemu_user)}): instructions per inference, per layer")
-        print(f"{'step':>4}  {'op':<14} {'name':<24} {'algorithm':<44} {'MACs':>12} {'instructions':>13} "
-              f"{'MACs/instr':>10} {'FMA/MAC':>7} {'share':>6}")
-        for x in r["layers"]:
-            name = x["name"] if len(x["name"]) <= 24 else "..." + x["name"][-21:]
-            mpi = f"{x['macs_per_instruction']:.3f}" if x["macs"] and x["instructions"] else "-"
-            fma = f"{x['fma_lanes'] / x['macs']:.2f}" if x["macs"] else "-"
-            print(f"{x['step']:>4}  {x['op'][:14]:<14} {name:<24} {x['algorithm'][:44]:<44} {x['macs']:>12,} "
-                  f"{x['instructions']:>13,} {mpi:>10} {fma:>7} {x['share_percent']:>5.1f}%")
+        _print_counted_layers(f"{r['model']} on {r['board']} (under {' '.join(board.qemu_user)}): instructions per "
+                              "inference, per layer", r["layers"], "instructions",
+                              ("FMA/MAC", lambda x: f"{x['fma_lanes'] / x['macs']:.2f}" if x["macs"] else "-"))
         mpi = r["macs"] / r["instructions"] if r["instructions"] else 0.0
         print(f"{'':>4}  {'total':<14} {'(whole inference)':<24} {'':<44} {r['macs']:>12,} {r['instructions']:>13,} "
               f"{mpi:>10.3f}")
@@ -354,16 +364,9 @@ def bench_layers_mcu(models: list[str], board: str, as_json: bool, max_weights_b
         print_json(results)
         return results
     for r in results:
-        print(f"{r['model']} on {r['board']} under QEMU: {r['unit']} per layer (exact, -icount)")
-        print(f"{'step':>4}  {'op':<14} {'name':<24} {'algorithm':<44} {'MACs':>11} {r['unit']:>13} {'MACs/instr':>10} "
-              f"{'share':>6}")
-        for x in r["layers"]:
-            name = x["name"] if len(x["name"]) <= 24 else "..." + x["name"][-21:]
-            mpi = f"{x['macs_per_instruction']:.3f}" if x["macs_per_instruction"] is not None else "-"
-            cost = f"{x[r['unit']]:,.0f}" if x[r["unit"]] is not None else "-"
-            print(f"{x['step']:>4}  {x['op'][:14]:<14} {name:<24} {x['algorithm'][:44]:<44} {x['macs']:>11,} {cost:>13} "
-                  f"{mpi:>10} {x['share_percent']:>5.1f}%")
-        print(f"{'':>4}  {'total':<14} {'(layers)':<24} {'':<44} {r['macs']:>11,} {r['total']:>13,.0f}")
+        _print_counted_layers(f"{r['model']} on {r['board']} under QEMU: {r['unit']} per layer (exact, -icount)",
+                              r["layers"], r["unit"])
+        print(f"{'':>4}  {'total':<14} {'(layers)':<24} {'':<44} {r['macs']:>12,} {r['total']:>13,.0f}")
     print("counted around each layer's call alone by the capture build (-DTD_CAPTURE -DTD_PROFILE): the sum of the "
           "layers leaves out td_run's own few instructions", file=sys.stderr)
     return results
