@@ -50,6 +50,44 @@ def refused(e: Exception) -> TinydeployError:
                            "should have refused it first; please report it with the model")
 
 
+# Operators in a pre-opset-7 form (the schema the model's opset selects) that onnxruntime, the
+# reference, has no kernel for (measured with onnxruntime 1.32: it answers NOT_IMPLEMENTED).
+# tinydeploy itself converts them to opset 13 and builds them (the ONNX conformance cases hold
+# them to their stored outputs); only a comparison with onnxruntime cannot be made.
+_NO_REFERENCE_BEFORE_7 = {
+    "Add": (1, 6), "Sub": (1, 6), "Mul": (1, 6), "Div": (1, 6), "Pow": (1,), "Sum": (1,), "Max": (1,),
+    "Min": (1,), "Relu": (1,), "Sigmoid": (1,), "Tanh": (1,), "Exp": (1,), "Log": (1,), "Abs": (1,),
+    "PRelu": (1, 6), "Clip": (1,), "Dropout": (1, 6), "Concat": (1,), "AveragePool": (1,), "Gemm": (1,),
+    "BatchNormalization": (1, 6), "Pad": (1,),
+}
+
+
+def _old_forms_without_reference(model_bytes: bytes) -> None:
+    """Says which pre-opset-7 forms onnxruntime cannot run, when that is why it refused the model."""
+    import onnx
+    try:
+        model = onnx.load_model_from_string(model_bytes)
+        v = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    except Exception:  # noqa: BLE001 - only an explanation; the caller reports the refusal itself
+        return
+    if not 0 < v < 7:
+        return
+    found: dict[str, int] = {}
+    for n in model.graph.node:
+        if n.domain in ("", "ai.onnx") and n.op_type in _NO_REFERENCE_BEFORE_7:
+            try:
+                since = onnx.defs.get_schema(n.op_type, v).since_version
+            except Exception:
+                continue
+            if since in _NO_REFERENCE_BEFORE_7[n.op_type]:
+                found.setdefault(n.op_type, since)
+    if found:
+        ops = ", ".join(f"{op} (version {since})" for op, since in sorted(found.items()))
+        raise TinydeployError(f"model uses opset {v}, and onnxruntime, the reference, implements none of its "
+                              f"{ops}: tinydeploy builds it, but cannot compare it; export the model with opset 7 "
+                              "or later (13 or later is best)")
+
+
 def _session(model_bytes: bytes, optimize: bool):
     import onnxruntime as ort
     ort.set_default_logger_severity(4)   # its errors come back as exceptions; nothing on stderr
@@ -63,6 +101,7 @@ def _session(model_bytes: bytes, optimize: bool):
         return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
     except Exception as e:
         if "IR version" not in str(e):
+            _old_forms_without_reference(model_bytes)
             raise refused(e) from None
     # A newer onnx package stamps IR versions this onnxruntime does not know yet; the graph
     # itself is unaffected, so retry with the newest IR version onnxruntime accepts.

@@ -186,37 +186,9 @@ def _channel_slopes_of_opset6(model: onnx.ModelProto) -> None:
         n.input[1] = name
 
 
-# Operators in a pre-opset-7 form (the schema the model's opset selects) that onnxruntime, the
-# reference, has no kernel for (measured with onnxruntime 1.32: it answers NOT_IMPLEMENTED). The
-# converter would turn them into opset 13, but the result could never be held to account.
-_NO_REFERENCE_BEFORE_7 = {
-    "Add": (1, 6), "Sub": (1, 6), "Mul": (1, 6), "Div": (1, 6), "Pow": (1,), "Sum": (1,), "Max": (1,),
-    "Min": (1,), "Relu": (1,), "Sigmoid": (1,), "Tanh": (1,), "Exp": (1,), "Log": (1,), "Abs": (1,),
-    "PRelu": (1, 6), "Clip": (1,), "Dropout": (1, 6), "Concat": (1,), "AveragePool": (1,), "Gemm": (1,),
-    "BatchNormalization": (1, 6), "Pad": (1,),
-}
-
-
-def _old_forms_without_reference(model: onnx.ModelProto, v: int) -> None:
-    found: dict[str, int] = {}
-    for n in model.graph.node:
-        if n.domain in ("", "ai.onnx") and n.op_type in _NO_REFERENCE_BEFORE_7:
-            try:
-                since = onnx.defs.get_schema(n.op_type, v).since_version
-            except Exception:
-                continue
-            if since in _NO_REFERENCE_BEFORE_7[n.op_type]:
-                found.setdefault(n.op_type, since)
-    if found:
-        ops = ", ".join(f"{op} (version {since})" for op, since in sorted(found.items()))
-        raise TinydeployError(f"model uses opset {v}, and onnxruntime, the reference, implements none of its "
-                              f"{ops}; export the model with opset 7 or later (13 or later is best)")
-
-
 def _normalise_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     v = _opset(model)
     if v < 7:
-        _old_forms_without_reference(model, v)
         _channel_slopes_of_opset6(model)
     if v < MIN_OPSET:
         try:

@@ -222,8 +222,8 @@ def _dq_check(node: ir.Node, g: ir.Graph) -> str | None:
 
 def verify_qdq(node: ir.Node, g: ir.Graph) -> list[str]:
     """QuantizeLinear / DequantizeLinear: constant scales positive, finite and normal; per-axis
-    parameters one per element of the axis; the zero point shaped like the scale (and 0 for int32
-    data, which has no zero point)."""
+    parameters one per element of the axis; the zero point shaped like the scale (one value may
+    have either rank) and 0 for int32 data, which has no zero point."""
     scale = g.const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] else None
     zname = node.inputs[2] if len(node.inputs) > 2 else ""
     zp = g.const(zname)
@@ -232,7 +232,9 @@ def verify_qdq(node: ir.Node, g: ir.Graph) -> list[str]:
     if node.attrs.get("block_size", 0) or x is None:
         return out
     s, z = shape(g, node.inputs[1]), shape(g, zname)
-    if z is not None and s is not None and z != s:
+    # one element each may differ in rank ([] beside [1]: onnxruntime's own quantiser writes that)
+    if z is not None and s is not None and z != s and not (int(np.prod(z, dtype=np.int64)) == 1 == int(
+            np.prod(s, dtype=np.int64))):
         out.append(f"zero point of shape {list(z)} for a scale of shape {list(s)}")
     if s is not None and int(np.prod(s, dtype=np.int64)) > 1 or (s is not None and len(s) == 1 and s != (1,)):
         ax = int(node.attrs.get("axis", 1))
