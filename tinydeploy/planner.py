@@ -73,10 +73,7 @@ class Plan:
 
     def step_bytes(self, k: int) -> int:
         """The arena bytes live at step k (buffers that share bytes counted once)."""
-        covered, end = 0, 0
-        for lo, hi in sorted((off, off + size) for _, off, size, _ in self.report[k]):
-            covered, end = covered + max(0, hi - max(lo, end)), max(end, hi)
-        return covered
+        return _covered((off, off + size) for _, off, size, _ in self.report[k])
 
     @property
     def peak_step(self) -> int:
@@ -293,10 +290,14 @@ def _holes(buffers: list[Buffer], step: int, limit: int) -> list[tuple[int, int]
 
 def _live_bytes(buffers: list[Buffer], step: int) -> int:
     """Bytes the placed buffers live at `step` cover (anchored ones may share bytes)."""
-    total, cur = 0, 0
-    for lo, hi in sorted((b.offset, b.offset + b.size) for b in buffers if b.start <= step <= b.end):
-        total += max(0, hi - max(lo, cur))
-        cur = max(cur, hi)
+    return _covered((b.offset, b.offset + b.size) for b in buffers if b.start <= step <= b.end)
+
+
+def _covered(ranges) -> int:
+    """Bytes covered by the byte ranges [lo, hi), overlaps counted once."""
+    total, end = 0, 0
+    for lo, hi in sorted(ranges):
+        total, end = total + max(0, hi - max(lo, end)), max(end, hi)
     return total
 
 

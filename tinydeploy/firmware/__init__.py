@@ -29,6 +29,7 @@ from tinydeploy.targets.boards import Board
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.codegen.cfmt import c_float, printable
 from tinydeploy.firmware import profiles
+from tinydeploy.firmware.profiles import model_id  # noqa: F401  (the runner's model id, for the rig)
 from tinydeploy.errors import TinydeployError
 
 MCU_TEMPLATES = kreg.TEMPLATES / "mcu"
@@ -50,16 +51,6 @@ def model_facts(c: Compiled | Image) -> dict:
     scratch = c.scratch_bytes if isinstance(c, Image) else c.plan.scratch_bytes
     return {"model": c.model, "weights_bytes": c.weights_bytes, "arena_bytes": c.arena_bytes,
             "input_bytes": c.input_bytes, "inputs_int8": c.inputs_int8, "scratch_bytes": scratch}
-
-
-def model_id(model_name: str) -> str:
-    """The MLPerf Tiny model id the runner expects (kws01, ...), from the file name."""
-    return profiles.model_id(model_name)
-
-
-def profile(model_name: str) -> dict:
-    """What the harness does for the model's profile (profiles.json, defaults filled in)."""
-    return profiles.profile(model_name)
 
 
 # ---- fitting --------------------------------------------------------------------------------
