@@ -43,8 +43,9 @@ four inputs in registers. Every kernel's accumulators are the reference kernel's
 (modulo 2^32), so the results stay bit-exact with it (tests/test_cortex_m_kernels.py).
 
 The requantisation scale r = m * 2^-s of each output channel (exact in float32) is stored as a
-float32 array of the kernel's own (one literal when all channels share it) instead of the
-multiplier and shift arrays.
+float32 array of the kernel's own instead of the multiplier and shift arrays. When all channels
+share it: two values (even and odd channels) in that array, so that layers of the same shape
+share their code, except under `speed`, which writes them into the code as literals.
 """
 from __future__ import annotations
 
@@ -293,19 +294,26 @@ def choose_layouts(layers: list[_Layer], optimize: str, weights_bytes: int) -> d
     return choice
 
 
-def _requant_scales(g: ir.Graph, k: Kernel, mi: int, odd_over_256: bool = False) -> tuple[list[str], dict]:
+def _requant_scales(g: ir.Graph, k: Kernel, mi: int, odd_over_256: bool, literal: bool) -> tuple[list[str], dict]:
     """The kernel's requantisation scales r = m * 2^-s (exact float32) in place of its multiplier
-    and shift arguments (args[mi], args[mi + 1]): one array of its own, or literals (RS; RS_ODD
-    for the odd channels) when every channel has the same. odd_over_256: the odd channels' scales
-    divided by 256 (exact), for "i8pair" with the bias in E."""
+    and shift arguments (args[mi], args[mi + 1]): one array of its own, one per channel. When
+    every channel has the same: literals in the code (RS; RS_ODD for the odd channels) if
+    `literal`, else the two values in a two-element array (RS "rs[0]", RS_ODD "rs[1]", RS_ARG),
+    so that layers of the same shape render the same source and share one function (the code
+    of a layer is some 600 bytes; AD's eight 128x128 layers differ only in their scales).
+    odd_over_256: the odd channels' scales divided by 256 (exact), for "i8pair" with the bias in E."""
     m = k.tensor(k.args[mi], g).data.astype(np.float32)
     s = k.tensor(k.args[mi + 1], g).data.astype(np.int32)
     r = (m * np.ldexp(np.float32(1), -s).astype(np.float32)).astype(np.float32)
     if r.size and np.all(r == r[0]):
-        return [], {"RS": c_float(r[0]), "RS_ODD": c_float(r[0] / np.float32(256) if odd_over_256 else r[0])}
+        odd = r[0] / np.float32(256) if odd_over_256 else r[0]
+        if literal:
+            return [], {"RS": c_float(r[0]), "RS_ODD": c_float(odd), "RS_ARG": False}
+        pair = np.array([r[0], odd], dtype=np.float32)
+        return [new_const(g, k.consts, k.args[mi] + "_rscale", pair)], {"RS": "rs[0]", "RS_ODD": "rs[1]", "RS_ARG": True}
     if odd_over_256:
         r[1::2] = r[1::2] / np.float32(256)
-    return [new_const(g, k.consts, k.args[mi] + "_rscale", r)], {"RS": None, "RS_ODD": None}
+    return [new_const(g, k.consts, k.args[mi] + "_rscale", r)], {"RS": None, "RS_ODD": None, "RS_ARG": True}
 
 
 def _attach(g: ir.Graph, step: int, k: Kernel, packed: np.ndarray, scratch_words: int, desc: str, **params) -> None:
@@ -342,7 +350,7 @@ def _select_8bit(g: ir.Graph, kernels: list[Kernel | None], target, optimize: st
         k.params = dict(k.params, WL=lay, U8W=k.params["TW"] == "uint8_t", FLASH_EXTRA=extra)
         pb = _pair_bias(g, k, L.rows, _xmax(k, g)) if lay == "i8pair" else None
         # multiplier and shift -> requantisation scales
-        rs_args, rs_params = _requant_scales(g, k, 3, pb is not None)
+        rs_args, rs_params = _requant_scales(g, k, 3, pb is not None, literal=optimize == "speed")
         k.args = k.args[:2] + [pb["bias"] if pb else k.args[2]] + rs_args + k.args[5:]
         rs_params["EB"] = pb is not None
         text = f"{isa} {_LAYOUT_TEXT[lay]}"
@@ -388,7 +396,7 @@ def _gemm_in_place(k: Kernel) -> None:
         k.alias_free = p["DB"] == 0
 
 
-def _select_dw(g: ir.Graph, step: int, k: Kernel, target) -> None:
+def _select_dw(g: ir.Graph, step: int, k: Kernel, target, optimize: str) -> None:
     """DSP depthwise convolutions of 3-wide windows (_qconv_dw_dsp.j2): each channel's plane is
     copied into arena scratch framed by its padding (HP x WP bytes) when that is at most
     DW_PLANE_BYTES; the output then may overwrite the input (a plane is read whole before its
@@ -409,7 +417,7 @@ def _select_dw(g: ir.Graph, step: int, k: Kernel, target) -> None:
         if np.abs(b).max(initial=0) >= 2**31:
             return
         bias = new_const(g, k.consts, k.args[2] + "_window", b.astype(np.int32))
-        rs_args, rs_params = _requant_scales(g, k, 3)
+        rs_args, rs_params = _requant_scales(g, k, 3, False, literal=optimize == "speed")
         p.update(HP=hp, WP=wp, **rs_params)
         k.scratch_bytes = hp * wp + 4
         k.scratch_dtype = "uint8" if p["TX"] == "uint8_t" else "int8"
@@ -478,6 +486,6 @@ def select_mcu(g: ir.Graph, kernels: list[Kernel | None], target, optimize: str 
     _select_8bit(g, kernels, target, check_optimize(optimize))
     for step, k in enumerate(kernels):
         if k is not None and k.family == "qconv2d" and not k.params.get("PACKED"):
-            _select_dw(g, step, k, target)
+            _select_dw(g, step, k, target, optimize)
     _select_fp32(g, kernels, target)
     return kernels
