@@ -27,6 +27,7 @@ from util import check_8bit, mlperf_model, require, save
 SIMDE_SHIM = Path(__file__).parent / "simde"
 # the CPU features each x86 ISA needs natively, and its gcc flags
 X86 = {"avx2": ((), []),
+       "avx512": (("avx512f",), ["-mavx512f"]),
        "avx512bw": (("avx512f", "avx512bw"), ["-mavx512f", "-mavx512bw"]),
        "avx-vnni": (("avx_vnni",), ["-mavxvnni"]),
        "avx512-vnni": (("avx512f", "avx512bw", "avx512_vnni"), ["-mavx512f", "-mavx512bw", "-mavx512vnni"])}
@@ -77,9 +78,9 @@ def _cases(places):
             for a in ["auto"] + (["qconv2d_igemm"] if w in IGEMM else [])]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("isa, algo", _cases(X86))
-def test_x86_kernels_bit_exact(isa, algo, dtype, tmp_path, monkeypatch):
+def _x86_host(isa: str, monkeypatch, isas: list[str] | None = None) -> None:
+    """The host target with `isa` first in its ISA list (then AVX2): natively where the CPU has
+    it, else through SIMDe (skipped without it, or without an AVX2 x86-64 host)."""
     base = targets.host()
     if base.machine != "x86_64" or "avx2" not in base.isas:
         pytest.skip("needs an x86-64 host with AVX2")
@@ -93,7 +94,13 @@ def test_x86_kernels_bit_exact(isa, algo, dtype, tmp_path, monkeypatch):
         flags = [f"-I{SIMDE_SHIM}", "-Wno-psabi"]     # SIMDe passes 512-bit structs by value
     cflags = [f for f in base.cflags if not f.startswith(("-mavx", "-mfma"))] + ["-mavx2", "-mfma"] + flags
     monkeypatch.setitem(targets.TARGETS, "host",
-                        lambda: dataclasses.replace(targets.host(), cflags=cflags, isas=[isa, "avx2"]))
+                        lambda: dataclasses.replace(targets.host(), cflags=cflags, isas=isas or [isa, "avx2"]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa, algo", _cases([i for i in X86 if i != "avx512"]))
+def test_x86_kernels_bit_exact(isa, algo, dtype, tmp_path, monkeypatch):
+    _x86_host(isa, monkeypatch)
     monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
     path = save(chain_model(dtype), tmp_path)
     b = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
@@ -129,3 +136,36 @@ def test_threads_bit_exact(tmp_path):
     assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert "omp parallel" in src and "qconv2d_dw_" in src and "qconv2d_gemm_" in src
+
+
+# ---- quantised Add (qadd_simd.c.j2: exact in double precision) ----------------------------------
+
+ADD_FORMS = {"plain": (0.05, 0.07, 0.09, False), "relu": (0.051, 0.023, 0.037, True),
+             "ties": (0.5, 0.25, 1.0, False),          # quarters and halves: exact .5 ties everywhere
+             "scales-1000x": (0.1, 1e-4, 0.08, False), "saturating": (0.5, 0.5, 0.01, False)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", list(ADD_FORMS))
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_x86_qadd_bit_exact(isa, form, dtype, tmp_path, monkeypatch):
+    """Same-shape Adds of 105 elements (13 blocks of 8 and one element; 6 of 16 and 9), the output
+    written over an input (the planner's in-place Add), on each x86 variant: bit for bit."""
+    _x86_host(isa, monkeypatch, isas=[isa, "avx2"])
+    lo, hi = qrange(dtype)
+    sa, sb, sy, relu = ADD_FORMS[form]
+    b = QDQ(11)
+    y = b.node("Add", [b.dq("a", sa, lo + 1, dtype), b.dq("b", sb, hi - 2, dtype)])
+    if relu:
+        y = b.node("Relu", [y])
+    yq = b.q(y, sy, (lo + hi) // 2 + 3, dtype)
+    shape = [1, 3, 5, 7]
+    path = save(b.model([("a", dtype, shape), ("b", dtype, shape)], [(yq, dtype)]), tmp_path)
+    bd = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
+    assert f"qadd {'s8' if dtype == np.int8 else 'u8'} ({isa})" in (tmp_path / "b" / "td_kernels.c").read_text()
+    specs = flow.io_specs(bd.summary, "inputs")
+    out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
+    for seed in (0, 1):
+        x = reference.random_inputs(specs, seed)
+        got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"qadd {isa} {form} seed {seed}", lsb_scales=bd.summary.get("output_lsb"))

@@ -26,14 +26,17 @@ TD_SIMDE_HALVES(td_simde_mm512_cvtps_epi32, _mm256_cvtps_epi32, m512i, m256i, m5
 /* vcvtdq2ps: int32 -> float, rounded to nearest even */
 TD_SIMDE_HALVES(td_simde_mm512_cvtepi32_ps, _mm256_cvtepi32_ps, m512, m256, m512i, m256i)
 
+/* A widening 512-bit conversion of a 256-bit value as the native AVX2 one on its two 128-bit halves */
+#define TD_SIMDE_WIDEN(name, native, RT, RH) \
+    static inline simde__##RT name(simde__m256i a) \
+    { \
+        simde__##RT##_private r; \
+        r.RH[0] = native(_mm256_castsi256_si128(a)); \
+        r.RH[1] = native(_mm256_extracti128_si256(a, 1)); \
+        return simde__##RT##_from_private(r); \
+    }
 /* vpmovzxbw: 32 bytes, zero-extended to 32 int16 */
-static inline simde__m512i td_simde_mm512_cvtepu8_epi16(simde__m256i a)
-{
-    simde__m512i_private r;
-    r.m256i[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(a));
-    r.m256i[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(a, 1));
-    return simde__m512i_from_private(r);
-}
+TD_SIMDE_WIDEN(td_simde_mm512_cvtepu8_epi16, _mm256_cvtepu8_epi16, m512i, m256i)
 
 /* vpmovusdb: 16 unsigned int32 -> 16 bytes, saturated to 255 */
 static inline simde__m128i td_simde_mm512_cvtusepi32_epi8(simde__m512i a)
@@ -54,6 +57,52 @@ static inline simde__m256i td_simde_mm512_cvtusepi16_epi8(simde__m512i a)
     return _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);
 }
 
+/* quantised Add (qadd_simd.c.j2): sign/zero extension of 16 bytes to int32, int32 <-> double
+ * (the doubles are integers there: no rounding), and the truncating narrowing to bytes */
+#define TD_SIMDE_EXT8(name, native) \
+    static inline simde__m512i name(simde__m128i a) \
+    { \
+        simde__m512i_private r; \
+        r.m256i[0] = native(a); \
+        r.m256i[1] = native(_mm_srli_si128(a, 8)); \
+        return simde__m512i_from_private(r); \
+    }
+TD_SIMDE_EXT8(td_simde_mm512_cvtepi8_epi32, _mm256_cvtepi8_epi32)
+TD_SIMDE_EXT8(td_simde_mm512_cvtepu8_epi32, _mm256_cvtepu8_epi32)
+
+TD_SIMDE_WIDEN(td_simde_mm512_cvtepi32_pd, _mm256_cvtepi32_pd, m512d, m256d)
+
+static inline simde__m256i td_simde_mm512_cvtpd_epi32(simde__m512d a)
+{
+    simde__m512d_private p = simde__m512d_to_private(a);
+    return _mm256_set_m128i(_mm256_cvtpd_epi32(p.m256d[1]), _mm256_cvtpd_epi32(p.m256d[0]));
+}
+
+static inline simde__m128i td_simde_mm512_cvtepi32_epi8(simde__m512i a)
+{
+    simde__m512i_private p = simde__m512i_to_private(a);
+    signed char b[16];
+    int i;
+    for (i = 0; i < 16; ++i)
+        b[i] = (signed char)p.i32[i];
+    return _mm_loadu_si128((const __m128i *)b);
+}
+
+#define __m512d simde__m512d
+#define _mm512_cvtepi8_epi32 td_simde_mm512_cvtepi8_epi32
+#define _mm512_cvtepu8_epi32 td_simde_mm512_cvtepu8_epi32
+#define _mm512_cvtepi32_pd td_simde_mm512_cvtepi32_pd
+#define _mm512_cvtpd_epi32 td_simde_mm512_cvtpd_epi32
+#define _mm512_cvtepi32_epi8 td_simde_mm512_cvtepi32_epi8
+#define _mm512_set1_pd simde_mm512_set1_pd
+#define _mm512_fmadd_pd simde_mm512_fmadd_pd
+#define _mm512_add_pd simde_mm512_add_pd
+#define _mm512_min_pd simde_mm512_min_pd
+#define _mm512_max_pd simde_mm512_max_pd
+#define _mm512_roundscale_pd simde_mm512_roundscale_pd
+#define _mm512_extracti64x4_epi64 simde_mm512_extracti64x4_epi64
+#define _mm512_inserti64x4 simde_mm512_inserti64x4
+#define _mm512_castsi256_si512 simde_mm512_castsi256_si512
 #define __m512i simde__m512i
 #define __m512 simde__m512
 #define _mm512_cvtps_epi32 td_simde_mm512_cvtps_epi32

@@ -96,6 +96,17 @@ def c_float(v: float) -> str:
     return s + "f"
 
 
+def c_double(v: float) -> str:
+    """A double as a C99 hexadecimal literal: exact, whatever the value (0x1.8p-3, not a decimal
+    that the compiler rounds back)."""
+    v = float(v)
+    if v == 0:
+        return "0.0"
+    mant, exp = v.hex().split("p")
+    mant = mant.rstrip("0").rstrip(".")
+    return f"{mant}p{exp}"
+
+
 def c_add(expr: str, k: int) -> str:
     """`expr + k` with the constant folded into the operator: `x - 128` for k = -128 (never
     `x + -128`), plain `x` for k = 0."""

@@ -85,6 +85,7 @@ VARIANTS = (
     Variant("qdense_packed", ("s8", "u8"), _Q8_ISAS, "qdense_packed.c.j2"),
     Variant("qdense", ("s8", "u8"), ("cortex-m4-dsp",), "qdense_cortex-m4-dsp.c.j2"),
     Variant("qadd", ("s8", "u8"), ("cortex-m4-dsp",), "qadd_cortex-m4-dsp.c.j2"),
+    Variant("qadd", ("s8", "u8"), ("avx512", "avx2"), "qadd_simd.c.j2"),
 )
 _BY_KEY = {(v.family, d, i): v for v in VARIANTS for d in v.dtypes for i in v.isas}
 
@@ -123,7 +124,7 @@ def env() -> jinja2.Environment:
     # Constants are folded here rather than left to the C compiler: `x - -128`, `k * 1`, `/ 1`.
     e.globals.update(need=_need, c_add=cfmt.c_add, c_plus=cfmt.c_plus, c_plusf=cfmt.c_plusf, c_mul=cfmt.c_mul,
                      c_div=cfmt.c_div, c_ceil_div=cfmt.c_ceil_div, c_terms=cfmt.c_terms,
-                     c_strided=cfmt.c_strided, c_hex32=cfmt.c_hex32, c_pair16=cfmt.c_pair16)
+                     c_strided=cfmt.c_strided, c_hex32=cfmt.c_hex32, c_pair16=cfmt.c_pair16, c_double=cfmt.c_double)
     return e
 
 
