@@ -145,13 +145,8 @@ ADD_FORMS = {"plain": (0.05, 0.07, 0.09, False), "relu": (0.051, 0.023, 0.037, T
              "scales-1000x": (0.1, 1e-4, 0.08, False), "saturating": (0.5, 0.5, 0.01, False)}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("form", list(ADD_FORMS))
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_x86_qadd_bit_exact(isa, form, dtype, tmp_path, monkeypatch):
-    """Same-shape Adds of 105 elements (13 blocks of 8 and one element; 6 of 16 and 9), the output
-    written over an input (the planner's in-place Add), on each x86 variant: bit for bit."""
-    _x86_host(isa, monkeypatch, isas=[isa, "avx2"])
+def add_model(form, dtype):
+    """A same-shape Add of 105 elements (13 blocks of 8 and one element; 6 of 16 and 9)."""
     lo, hi = qrange(dtype)
     sa, sb, sy, relu = ADD_FORMS[form]
     b = QDQ(11)
@@ -160,7 +155,17 @@ def test_x86_qadd_bit_exact(isa, form, dtype, tmp_path, monkeypatch):
         y = b.node("Relu", [y])
     yq = b.q(y, sy, (lo + hi) // 2 + 3, dtype)
     shape = [1, 3, 5, 7]
-    path = save(b.model([("a", dtype, shape), ("b", dtype, shape)], [(yq, dtype)]), tmp_path)
+    return b.model([("a", dtype, shape), ("b", dtype, shape)], [(yq, dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", list(ADD_FORMS))
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_x86_qadd_bit_exact(isa, form, dtype, tmp_path, monkeypatch):
+    """add_model, the output written over an input (the planner's in-place Add), on each x86
+    variant: bit for bit."""
+    _x86_host(isa, monkeypatch, isas=[isa, "avx2"])
+    path = save(add_model(form, dtype), tmp_path)
     bd = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
     assert f"qadd {'s8' if dtype == np.int8 else 'u8'} ({isa})" in (tmp_path / "b" / "td_kernels.c").read_text()
     specs = flow.io_specs(bd.summary, "inputs")
@@ -169,3 +174,21 @@ def test_x86_qadd_bit_exact(isa, form, dtype, tmp_path, monkeypatch):
         x = reference.random_inputs(specs, seed)
         got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
         check_8bit(path, x, got, label=f"qadd {isa} {form} seed {seed}", lsb_scales=bd.summary.get("output_lsb"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_k_bit_exact(dtype, tmp_path, monkeypatch):
+    """K split into blocks (int32 partial sums between them): on the host only where a panel over
+    all of K does not fit half of L2, so here with caches made tiny (1 KiB L1, 2 KiB L2)."""
+    _x86_host("avx2", monkeypatch)
+    small = targets.TARGETS["host"]
+    monkeypatch.setitem(targets.TARGETS, "host", lambda: dataclasses.replace(small(), l1d_bytes=1024, l2_bytes=2048))
+    path = save(chain_model(dtype), tmp_path)
+    b = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
+    assert "cbuf" in (tmp_path / "b" / "td_kernels.c").read_text()      # the split path was generated
+    specs = flow.io_specs(b.summary, "inputs")
+    out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+    x = reference.random_inputs(specs, 0)
+    got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], out_specs)
+    check_8bit(path, x, got, label=f"split K {dtype.__name__}", lsb_scales=b.summary.get("output_lsb"))
+

@@ -169,7 +169,13 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     mp = _round_up(mg, mr)
     gb = _group_bytes(q)
     l1, l2 = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288)
-    kcg = min(kgn, max(16, (l1 // 2) // (nr * gb)))
+    # All of K in one block where a panel of NR columns over all of K fits in half of L2: measured
+    # on an AVX2 host, the ResNet-50 (uint8) layers split in K (int32 partial sums kept between the
+    # blocks) ran at half the speed of the same layers unsplit. Else blocks of half of L1.
+    if kgn * nr * gb <= l2 // 2:
+        kcg = kgn
+    else:
+        kcg = min(kgn, max(16, (l1 // 2) // (nr * gb)))
     blocks = -(-kgn // kcg)
     kcg = -(-kgn // blocks)
     nc = min(_round_up(cols, nr), max(nr, (l2 // 2) // (kcg * gb) // nr * nr))
