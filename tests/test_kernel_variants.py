@@ -93,6 +93,11 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
     for board in ("rpi4", "jetson-orin"):                  # neon; neon-dotprod (then neon)
         compile_model(q8, boards.get_board(board).make_target(), board=board)
     monkeypatch.delenv("TINYDEPLOY_ALGO")
+    with monkeypatch.context() as mp:                       # the avx2 QAdd, int8 and uint8
+        mp.setitem(targets.TARGETS, "host", lambda: dataclasses.replace(targets.host(), isas=["avx2"]))
+        for i, model in enumerate([_add_model((1, 8, 4, 4), (1, 8, 4, 4), -128, 4, -128, 0.05, 0.11, 0.12),
+                                   _add_model((1, 8, 4, 4), (1, 8, 4, 4), 128, 100, 0, 0.05, 0.07, 0.1, u8=True)]):
+            compile_model(_save(model, tmp_path, f"add_{i}"), get_target("host"), board="host")
 
     m4 = boards.get_board("mps2-an386").make_target()
     for i, model in enumerate([_conv_model(C=16, M=16, H=6, W=6, k=(1, 1)),

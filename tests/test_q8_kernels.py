@@ -129,3 +129,46 @@ def test_threads_bit_exact(tmp_path):
     assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert "omp parallel" in src and "qconv2d_dw_" in src and "qconv2d_gemm_" in src
+
+
+def add_model(dtype, n: int, seed: int = 0, relu: bool = False):
+    """Two inputs of one shape, each with its own scale and zero point, added, requantised; with
+    relu, the scales make every odd sum an exact half (s_a / s_y = s_b / s_y = 1/2: ties)."""
+    lo, hi = qrange(dtype)
+    b = QDQ(seed)
+    shape = [1, 3, n, 5]
+    sa, sb, sy = (0.05, 0.05, 0.1) if relu else (0.05, 0.11, 0.07)
+    y = b.node("Add", [b.dq("x", sa, lo + 7, dtype), b.dq("z", sb, hi - 20, dtype)])
+    if relu:
+        y = b.node("Relu", [y])
+    return b.model([("x", dtype, shape), ("z", dtype, shape)], [(b.q(y, sy, (lo + hi) // 2 - 9, dtype), dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, relu", [(7, False), (16, True), (1, False)])
+def test_qadd_avx2_bit_exact(dtype, n, relu, tmp_path):
+    """qadd_avx2.c.j2 (64-bit products, the shift of v + 2^62, ties to even) against the exact
+    reference: 105 values (13 vectors and a tail of 1), 240 (vectors only), 15 (the tail only),
+    seeded inputs over the whole range (saturation at both ends), a grid of pairs, and scales
+    whose sums tie (relu)."""
+    base = targets.host()
+    if base.machine != "x86_64" or "avx2" not in base.isas:
+        pytest.skip("needs an x86-64 host with AVX2")
+    path = save(add_model(dtype, n, relu=relu), tmp_path)
+    b = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert "qadd" in src and "_mm256_mul_epi32" in src, src[:2000]
+    specs = flow.io_specs(b.summary, "inputs")
+    out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+    lo, hi = qrange(dtype)
+    for seed in (0, 1, 2):
+        x = reference.random_inputs(specs, seed)
+        if seed == 2:       # every pair (a, b) of a small grid: exact halves occur
+            grid = np.arange(lo, hi + 1, 17)
+            aa, bb = np.meshgrid(grid, grid)
+            for k, (nm, s, d) in enumerate(specs):
+                v = (aa if k == 0 else bb).reshape(-1)
+                x[nm] = np.resize(v, int(np.prod(s))).reshape(s).astype(d)
+        got, _ = LocalRunner().run(b.exe, [x[nm] for nm, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"qadd avx2 {np.dtype(dtype).name} n {n} seed {seed}",
+                   lsb_scales=b.summary.get("output_lsb"))
