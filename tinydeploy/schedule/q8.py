@@ -157,30 +157,24 @@ def gemm_scratch_words(p: dict) -> int:
     return (_round_up(b, 64) + rows + acc) // 4
 
 
-# The fewest columns a block of qconv2d_gemm is cut to when the arena has no more room under its
-# peak (fit_gemm). Measured on an AVX2 host (bench, MLPerf Tiny int8, interleaved runs): 128
-# costs nothing measurable (IC 0.366 ms against 0.367-0.374 uncut), 64 cost 3-4% on IC and KWS.
-FIT_MIN_COLS = 128
-
-
 def fit_gemm(k: Kernel, room: int) -> bool:
     """Size qconv2d_gemm's scratch to at most `room` bytes (the planner's fit): its columns per
-    block (NC, whole NR panels) cut down from the L2-sized block to what fits, at least
-    FIT_MIN_COLS (or the layer's columns); fit_gemm(k, 0) leaves it at that floor, which sets the
+    block (NC, whole NR panels) cut down from the L2-sized block to what fits, at least the ISA's
+    Q8.fit_cols (or the layer's columns); fit_gemm(k, 0) leaves it at that floor, which sets the
     peak. Where the hole under the peak is smaller than the floor needs (the activations around
     it leave it fragmented), the block is cut below the floor to fill it (down to one NR panel)
     rather than raise the arena. The kernel
     packs and multiplies block by block, so the results do not change, only how many columns
-    wait in scratch. Threaded layers keep their per-thread blocks (False)."""
+    wait in scratch. Threaded layers, and ISAs without a measured floor, keep their blocks (False)."""
     p = k.params
-    if k.family != "qconv2d_gemm" or p.get("THREADS", 1) > 1:
+    if k.family != "qconv2d_gemm" or p.get("THREADS", 1) > 1 or not get_isa(p["q8_isa"]).q8.fit_cols:
         return False
     full = p["NC_MAX"]
     nr = p["NR"]
 
     def words(nc: int) -> int:
         return gemm_scratch_words(dict(p, NC=nc))
-    low = min(full, _round_up(FIT_MIN_COLS, nr))
+    low = min(full, _round_up(get_isa(p["q8_isa"]).q8.fit_cols, nr))
     if room and 4 * words(low) > room:
         low = nr        # a hole under the peak smaller than the floor (fragmentation): fill it
     lo, hi = low // nr, full // nr            # in NR panels; the scratch grows with NC

@@ -30,6 +30,9 @@ class Q8:
     dense: int
     weights: tuple[str, ...] = ("int8_t", "uint8_t", "int16_t")
     signed: bool = False
+    # the fewest columns the im2col GEMM's block is cut to when the arena has less room under its
+    # peak (schedule/q8.py fit_gemm); 0: never cut (the L2-sized block stays)
+    fit_cols: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,10 @@ class ISA:
 # against 6x16's 17.9 us (12 rows, 3 wasted); on 36 positions it is 1.17x slower than 6x16.
 # 8-bit tiles, the same budgets: accumulators MR*NR/lanes, NR/lanes B vectors, one broadcast A
 # (x86); neon MR*NR/4 + NR/8 (int16 B) or NR/4 (dot B) + MR/8 or MR/4 A registers.
-_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32)
+# fit_cols, measured: AVX2 (bench, MLPerf Tiny int8, interleaved): 128 columns cost nothing
+# measurable (IC 0.366 ms against 0.367-0.374 uncut), 64 cost 3-4% on IC and KWS; NEON (rpi4,
+# exact instructions under QEMU): 128 cost IC +4.8%, VWW +1.9%, so neon keeps its blocks.
+_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128)
 _Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15),
                                   (8, 16, 1.25)), dense=64)
 _Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
