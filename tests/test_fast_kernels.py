@@ -231,6 +231,21 @@ def test_forced_algorithm_on_host(name, algo, isa, tmp_path, monkeypatch):
     assert_close_to_reference(path, tmp_path, monkeypatch, marker)
 
 
+@pytest.mark.parametrize("name,algo", [("1x1_direct_odd", "conv2d_gemmt"), ("1x1_deep_k1100", "conv2d_gemmt"),
+                                       ("1x1_direct_odd", "conv2d_gemm"), ("3x3_pad_relu", "conv2d_igemm")])
+def test_avx2_three_row_tile(name, algo, tmp_path, monkeypatch):
+    """avx2's 3x24 tile (3x3 planes' 9 positions in the transposed GEMM) on the GEMMs' edges."""
+    if "avx2" not in HOST_ISAS:
+        pytest.skip("needs an x86-64 host with AVX2")
+    use_host(monkeypatch, "avx2")
+    monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
+    monkeypatch.setenv("TINYDEPLOY_TILE", "3x24")
+    path = save(model_for(name), tmp_path)
+    check_model(path, tmp_path)
+    assert "3x24" in (tmp_path / "build-gcc" / "td_kernels.c").read_text()
+    assert_close_to_reference(path, tmp_path, monkeypatch, f"{algo} f32 (avx2)")
+
+
 @pytest.mark.parametrize("isa", HOST_ISAS)
 def test_automatic_choice_mixed_model(isa, tmp_path, monkeypatch):
     """No forcing: the cost model picks per layer (gemm, depthwise, ref for tiny layers) and the

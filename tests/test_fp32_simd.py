@@ -101,6 +101,10 @@ DW = {
     "k3x1": dict(c=3, h=8, w=9, k=(3, 1), pads=(1, 0, 1, 0), act="relu"),
     "k1x1": dict(c=6, h=4, w=5, k=(1, 1), pads=(0, 0, 0, 0)),
     "s2_mult2_wide": dict(c=2, m=4, h=20, w=33, s=(2, 2), pads=(1, 1, 1, 1), act="relu"),
+    # avx2 splits 16 columns into the two phases at once (depthwise.py SPLIT8): whole vectors,
+    # then the columns left over on each side, with and without left padding
+    "s2_split_tails": dict(c=3, h=9, w=41, s=(2, 2), pads=(0, 0, 1, 1), act="relu6"),
+    "s2_split_5x5": dict(c=2, h=11, w=40, k=(5, 5), s=(2, 2), pads=(2, 2, 2, 2)),
 }
 DW = {k: dict(v, op="conv", m=v.get("m", v["c"]), group=v["c"]) for k, v in DW.items()}
 
@@ -113,6 +117,9 @@ FIRST = {
     "c4_batch2": dict(n=2, c=4, h=7, w=6, m=8),
     "c3_nhwc_shared": dict(c=3, h=8, w=8, m=8, nhwc=True, shared=True),
     "c3_fewer_pixels_than_tile": dict(c=3, h=3, w=3, m=5, pads=(0, 0, 0, 0), s=(2, 2), k=(1, 1)),
+    # output rows of whole tiles (OW % 8 == 0): one origin per tile, the pixels at fixed offsets
+    "c3_nhwc_s2_rows": dict(c=3, h=33, w=32, m=8, s=(2, 2), pads=(0, 0, 1, 1), act="relu", nhwc=True),
+    "c1_rows_batch2_odd_m": dict(n=2, c=1, h=5, w=16, m=12, act="relu6"),
 }
 FIRST = {k: dict(v, op="conv") for k, v in FIRST.items()}
 

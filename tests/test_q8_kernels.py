@@ -170,8 +170,14 @@ def test_x86_qadd_bit_exact(isa, form, dtype, tmp_path, monkeypatch):
     assert f"qadd {'s8' if dtype == np.int8 else 'u8'} ({isa})" in (tmp_path / "b" / "td_kernels.c").read_text()
     specs = flow.io_specs(bd.summary, "inputs")
     out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
-    for seed in (0, 1):
+    lo, hi = qrange(dtype)
+    for seed in (0, 1, 2):
         x = reference.random_inputs(specs, seed)
+        if seed == 2:       # pairs (a, b) of a grid over the whole range: both ends, exact halves
+            grid = np.arange(lo, hi + 1, 17)
+            aa, bb = np.meshgrid(grid, grid)
+            for k, (nm, s, d) in enumerate(specs):
+                x[nm] = np.resize((aa if k == 0 else bb).reshape(-1), int(np.prod(s))).reshape(s).astype(d)
         got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
         check_8bit(path, x, got, label=f"qadd {isa} {form} seed {seed}", lsb_scales=bd.summary.get("output_lsb"))
 

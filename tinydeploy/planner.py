@@ -459,6 +459,10 @@ def _plan_once(g: ir.Graph, kernels: list[Kernel | None], alignment: int, fit, e
         scratch.append(Buffer(len(acts) + len(scratch), size, k, k, [f"#scratch{k}"], offset=lo, scratch=True))
         peak = max(peak, lo + size)
     buffers = acts + scratch
+    if scratch:
+        # the arena ends where its last buffer does: a kernel whose scratch was cut below its
+        # smallest to fill a fragmented hole (q8.fit_gemm) may leave the planned peak unused
+        peak = min(peak, max(b.offset + b.size for b in buffers))
     offsets = {nm: b.offset for b in buffers for nm in b.tensors}
     plan = Plan(offsets, peak, lower_bound(g, kernels, alignment, opts["states"]), buffers, aliased=set(bld.aliased),
                 state_aliased=frozenset(bld.state_aliased))

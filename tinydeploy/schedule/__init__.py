@@ -68,7 +68,7 @@ from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
 from tinydeploy.schedule.first import drop_folded
 from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
 from tinydeploy.schedule import mcu, stream
-from tinydeploy.schedule.q8 import select_q8
+from tinydeploy.schedule.q8 import fit_gemm, select_q8
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 
@@ -114,7 +114,10 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
 
 def fit_scratch(k: Kernel, room: int) -> bool:
     """Size kernel k's scratch to the `room` bytes the planner found at its step (microcontroller
-    kernels: GEMM tiles, patch-based chains); False for kernels whose scratch has one size."""
+    kernels: GEMM tiles, patch-based chains; the 8-bit GEMM's column blocks on CPUs with caches);
+    False for kernels whose scratch has one size."""
+    if k.family == "qconv2d_gemm":
+        return fit_gemm(k, room)
     return (stream.fit if k.family == "stream" else mcu.fit_scratch)(k, room)
 
 

@@ -47,13 +47,21 @@ def simd_geometry(p: dict, lanes: int, registers: int) -> dict:
         phases.append({"px": px, "lo": lo, "hi": hi})
     taps = [{"t": ky * p["KW"] + kx, "kx": kx, "row": ky * dh, "ph": used.index((kx * dw) % sw),
              "col": (kx * dw) // sw} for ky in range(p["KH"]) for kx in range(p["KW"])]
+    # stride 2 with both column phases: the plane columns [lo, hi) both phases take from the image,
+    # in whole vectors of 8, are split from 16 consecutive image columns at a time (avx2: the
+    # template's SPLIT8); every read stays in the row (phase 1's hi bounds column 2j + 1 - PL)
+    split = None
+    if sw == 2 and [ph["px"] for ph in phases] == [0, 1]:
+        lo, hi = max(ph["lo"] for ph in phases), min(ph["hi"] for ph in phases)
+        if hi - lo >= 8:
+            split = {"lo": lo, "hi": lo + (hi - lo) // 8 * 8}
     rlo = min(p["PT"], hpd)
     rhi = max(min(p["PT"] + p["H"], hpd), rlo)
     zero = rlo > 0 or rhi < hpd or any(ph["lo"] > 0 or ph["hi"] < rsp for ph in phases)
     t = p["KH"] * p["KW"]
     rb = min(p["OH"], 4 if registers <= 16 else 8) if t <= 9 else min(p["OH"], 2 if registers <= 16 else 4)
     out = {"VW": lanes, "RB": max(1, rb), "RSP": rsp, "HPD": hpd, "PLANE": hpd * rsp, "PHASES": phases,
-           "TAPS": taps, "RLO": rlo, "RHI": rhi, "ZERO": zero, "WREG": t + rb + 3 <= registers, "FLAT": False}
+           "TAPS": taps, "RLO": rlo, "RHI": rhi, "ZERO": zero, "SPLIT8": split, "WREG": t + rb + 3 <= registers, "FLAT": False}
     if sh == sw == 1 and p["OW"] == p["W"] and p["OW"] < lanes:
         out.update(flat_geometry(p, lanes), WREG=t + 4 <= registers)
     out["BUF"] = len(out["PHASES"]) * out["PLANE"]

@@ -40,6 +40,7 @@ TINYDEPLOY_ALGO=ref keeps the reference kernels (as for fp32).
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -156,6 +157,40 @@ def gemm_scratch_words(p: dict) -> int:
     return (_round_up(b, 64) + rows + acc) // 4
 
 
+def fit_gemm(k: Kernel, room: int) -> bool:
+    """Size qconv2d_gemm's scratch to at most `room` bytes (the planner's fit): its columns per
+    block (NC, whole NR panels) cut down from the L2-sized block to what fits, at least the ISA's
+    Q8.fit_cols (or the layer's columns); fit_gemm(k, 0) leaves it at that floor, which sets the
+    peak. Where the hole under the peak is smaller than the floor needs (the activations around
+    it leave it fragmented), the block is cut below the floor to fill it (down to one NR panel)
+    rather than raise the arena. The kernel
+    packs and multiplies block by block, so the results do not change, only how many columns
+    wait in scratch. Threaded layers, and ISAs without a measured floor, keep their blocks (False)."""
+    p = k.params
+    if k.family != "qconv2d_gemm" or p.get("THREADS", 1) > 1 or not get_isa(p["q8_isa"]).q8.fit_cols:
+        return False
+    full = p["NC_MAX"]
+    nr = p["NR"]
+
+    def words(nc: int) -> int:
+        return gemm_scratch_words(dict(p, NC=nc))
+    low = min(full, _round_up(get_isa(p["q8_isa"]).q8.fit_cols, nr))
+    if room and 4 * words(low) > room:
+        low = nr        # a hole under the peak smaller than the floor (fragmentation): fill it
+    lo, hi = low // nr, full // nr            # in NR panels; the scratch grows with NC
+    if 4 * words(full) <= room or hi <= lo:
+        nc = full
+    else:
+        while lo < hi:                        # the most panels whose scratch fits (else low)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if 4 * words(mid * nr) <= room else (lo, mid - 1)
+        nc = lo * nr
+    k.params = dict(p, NC=nc)
+    k.scratch_bytes = 4 * words(nc)
+    k.desc = re.sub(r" nc \d+", f" nc {nc}", k.desc, count=1)
+    return True
+
+
 def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
@@ -191,7 +226,7 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0 and (
         p["OH"], p["OW"]) == (p["H"], p["W"])
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
-             NR=nr, NC=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
+             NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
              ZXL=zx_loop, PADB=p["ZX"] % 256)
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]

@@ -250,6 +250,8 @@ def open_db(path: Path, key: str, resume: bool) -> dict:
                                   f"{printable(old['target'], 40)}, not {key}; choose another --db")
         if old is not None:
             db["layers"] = {k: v for k, v in old["layers"].items() if tuning.valid_entry(v)}
+            if isinstance(old.get("note"), str):
+                db["note"] = old["note"]        # how and where it was tuned (written by hand)
     return db
 
 

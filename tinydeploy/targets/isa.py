@@ -30,6 +30,9 @@ class Q8:
     dense: int
     weights: tuple[str, ...] = ("int8_t", "uint8_t", "int16_t")
     signed: bool = False
+    # the fewest columns the im2col GEMM's block is cut to when the arena has less room under its
+    # peak (schedule/q8.py fit_gemm); 0: never cut (the L2-sized block stays)
+    fit_cols: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,15 @@ class ISA:
 
 # Register budget of the tiles: avx2 MR*NR/8 + NR/8 + 1 <= 16 ymm; avx512 MR*NR/16 + NR/16 + 1 <=
 # 32 zmm; neon MR*NR/4 + MR/4 + NR/4 <= 32 q registers. Costs measured roughly on the host
-# (AVX-512 / AVX2) with single layers of ResNet-8 and ResNet-50.
+# (AVX-512 / AVX2) with single layers of ResNet-8 and ResNet-50. avx2 3x24 is for 3x3 planes
+# (9 positions of the transposed GEMM: MobileNet's last layers): 256 -> 256 channels in 14.2 us
+# against 6x16's 17.9 us (12 rows, 3 wasted); on 36 positions it is 1.17x slower than 6x16.
 # 8-bit tiles, the same budgets: accumulators MR*NR/lanes, NR/lanes B vectors, one broadcast A
 # (x86); neon MR*NR/4 + NR/8 (int16 B) or NR/4 (dot B) + MR/8 or MR/4 A registers.
-_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32)
+# fit_cols, measured: AVX2 (bench, MLPerf Tiny int8, interleaved): 128 columns cost nothing
+# measurable (IC 0.366 ms against 0.367-0.374 uncut), 64 cost 3-4% on IC and KWS; NEON (rpi4,
+# exact instructions under QEMU): 128 cost IC +4.8%, VWW +1.9%, so neon keeps its blocks.
+_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128)
 _Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15),
                                   (8, 16, 1.25)), dense=64)
 _Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
@@ -65,7 +73,8 @@ _Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16
 ISAS = {isa.name: isa for isa in (
     ISA("ref", "portable C99, the fallback of every ISA", tiles=((4, 8, 1.0),), ref_cost=1.5, winograd_lanes=8),
     ISA("avx2", "x86-64 AVX2 + FMA (ymm)", features=("avx2", "fma"), ref_cost=5.0, winograd_lanes=8,
-        lanes=8, registers=16, tiles=((6, 16, 1.0), (4, 24, 1.0), (8, 8, 1.12), (12, 8, 1.08), (4, 16, 1.15)),
+        lanes=8, registers=16, tiles=((6, 16, 1.0), (4, 24, 1.0), (8, 8, 1.12), (12, 8, 1.08), (4, 16, 1.15),
+                                      (3, 24, 1.15)),
         q8=_Q8_MADD_YMM),
     ISA("avx-vnni", "x86-64 AVX-VNNI (vpdpbusd on ymm: u8 x s8 quads into int32; 8-bit kernels)",
         features=("avx2", "fma", "avx_vnni"), q8=_Q8_DOT_YMM),
