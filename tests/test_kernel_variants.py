@@ -93,6 +93,8 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
     for board in ("rpi4", "jetson-orin"):                  # neon; neon-dotprod (then neon)
         compile_model(q8, boards.get_board(board).make_target(), board=board)
     monkeypatch.delenv("TINYDEPLOY_ALGO")
+    compile_model(_save(_add_model((1, 8, 4, 5), (1, 8, 4, 5), -128, 4, -128, 0.05, 0.11, 0.12), tmp_path, "add"),
+                  rpi4, board="rpi4")
 
     m4 = boards.get_board("mps2-an386").make_target()
     for i, model in enumerate([_conv_model(C=16, M=16, H=6, W=6, k=(1, 1)),

@@ -17,8 +17,10 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
+from test_cortex_m_kernels import ADD_CASES, _add_model
 from test_quantized import QDQ, qrange
 from tinydeploy import flow, reference, targets
 from tinydeploy.runners.local import LocalRunner
@@ -120,6 +122,26 @@ def test_aarch64_kernels_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert _kernels(tmp_path / "b") == AUTO | ({"qconv2d_igemm"} if algo != "auto" else set())
     assert ("vdotq_" in src) == (board == "jetson-orin")
+
+
+# the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
+# a shift above 32); broadcasting keeps the reference
+NEON_ADD = {"resnet-like-relu": "ties", "saturating-zp-extremes": "round", "u8-relu": "ties",
+            "exact-ties": "ties", "large-shift": "round", "broadcast": None}
+
+
+@pytest.mark.parametrize("case", list(NEON_ADD))
+def test_aarch64_qadd_bit_exact(case, tmp_path):
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = tmp_path / "m.onnx"
+    onnx.save(_add_model(**ADD_CASES[case][0]), str(path))
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert ("(neon)" in src) == (NEON_ADD[case] is not None)
+    assert ("vceqq_s64" in src) == (NEON_ADD[case] == "ties")
 
 
 def test_threads_bit_exact(tmp_path):

@@ -85,6 +85,7 @@ VARIANTS = (
     Variant("qdense_packed", ("s8", "u8"), _Q8_ISAS, "qdense_packed.c.j2"),
     Variant("qdense", ("s8", "u8"), ("cortex-m4-dsp",), "qdense_cortex-m4-dsp.c.j2"),
     Variant("qadd", ("s8", "u8"), ("cortex-m4-dsp",), "qadd_cortex-m4-dsp.c.j2"),
+    Variant("qadd", ("s8", "u8"), ("neon",), "qadd_neon.c.j2"),
 )
 _BY_KEY = {(v.family, d, i): v for v in VARIANTS for d in v.dtypes for i in v.isas}
 
