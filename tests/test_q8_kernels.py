@@ -8,8 +8,9 @@ scale small enough to saturate. It runs under each x86 ISA (AVX2 natively; AVX-5
 AVX-512 VNNI natively where the CPU has them, else through the SIMDe shim in tests/simde, which
 emulates their intrinsics with the same integer results), and under qemu-aarch64 for NEON
 (Cortex-A72) and the dot product (Cortex-A78AE, qemu -cpu cortex-a76). Every ISA runs the
-im2col GEMM, depthwise and fully connected kernels; one ISA per multiply flavour also runs with
-the implicit GEMM forced (TINYDEPLOY_ALGO=qconv2d_igemm: the 3x3 stride-2, 3x3 and 5x5 layers).
+im2col GEMM, depthwise and fully connected kernels; the implicit GEMM (the 3x3 stride-2, 3x3 and
+5x5 layers) runs on Cortex-A by itself (im2col there when forced: TINYDEPLOY_ALGO=qconv2d_gemm)
+and on one x86 ISA per multiply flavour when forced (TINYDEPLOY_ALGO=qconv2d_igemm).
 """
 from __future__ import annotations
 
@@ -70,13 +71,18 @@ def _kernels(build_dir: Path) -> set[str]:
 
 DTYPES = [pytest.param(np.int8, id="s8"), pytest.param(np.uint8, id="u8")]
 AUTO = {"qconv2d_gemm", "qconv2d_dw", "qdense_packed"}
-# the implicit GEMM, chosen only when forced: once per multiply flavour (madd, dot, mlal)
-IGEMM = {"avx2", "avx512-vnni", "rpi4", "jetson-orin"}
+# x86: the implicit GEMM only when forced, once per multiply flavour (madd, dot); Cortex-A takes
+# it by itself for the one-group KxK layers (Q8.igemm), and im2col when forced
+IGEMM = {"avx2", "avx512-vnni"}
 
 
 def _cases(places):
     return [pytest.param(w, a, id=f"{w}-{a}") for w in places
             for a in ["auto"] + (["qconv2d_igemm"] if w in IGEMM else [])]
+
+
+def _aarch64_kernels(algo):
+    return AUTO | ({"qconv2d_igemm"} if algo == "auto" else set())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -110,7 +116,8 @@ def test_x86_kernels_bit_exact(isa, algo, dtype, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("board, algo", _cases(["rpi4", "jetson-orin"]))      # neon; neon-dotprod
+@pytest.mark.parametrize("board, algo", [pytest.param(b, a, id=f"{b}-{a}") for b in ("rpi4", "jetson-orin")
+                                          for a in ("auto", "qconv2d_gemm")])      # neon; neon-dotprod
 def test_aarch64_kernels_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
@@ -120,7 +127,7 @@ def test_aarch64_kernels_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
         res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert _kernels(tmp_path / "b") == AUTO | ({"qconv2d_igemm"} if algo != "auto" else set())
+    assert _kernels(tmp_path / "b") == _aarch64_kernels(algo)
     assert ("vdotq_" in src) == (board == "jetson-orin")
 
 

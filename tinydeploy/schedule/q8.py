@@ -30,8 +30,9 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
                  of the plane (x - zx), one plane per stride phase, then every output of the
                  flattened plane at once: tap pairs by vpmaddwd (x86) or taps by SMLAL (neon).
   qconv2d_igemm  one-group KxK convolution as an implicit GEMM over zero-point-padded planes of
-                 KG interleaved channels (no im2col; taps unrolled): only when forced
-                 (TINYDEPLOY_ALGO=qconv2d_igemm), see igemm_fits.
+                 KG interleaved channels (no im2col; taps unrolled): on ISAs whose descriptor
+                 prefers it (Cortex-A), or when forced (TINYDEPLOY_ALGO=qconv2d_igemm); see
+                 igemm_preferred.
   qdense_packed  fully connected: output columns in the vector lanes (weights packed at build
                  time [N/NRD][KGN][NRD][KG], int8 kept int8 and widened as loaded), the input
                  row broadcast a k-group at a time, the requantisation per column in registers.
@@ -195,11 +196,21 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
 
 
 def igemm_fits(p: dict) -> bool:
-    """The implicit GEMM takes one group and a KH x KW > 1 window (taps unrolled). It is chosen
-    only when forced (TINYDEPLOY_ALGO=qconv2d_igemm): measured on an AVX2 host, the im2col GEMM
-    ran every 3x3 / 7x7 layer of ResNet-50 (uint8) and the MLPerf Tiny int8 models as fast or
-    faster (ResNet-50 151 ms against 273 ms, IC 371 us against 414 us)."""
+    """The implicit GEMM takes one group and a KH x KW > 1 window (taps unrolled)."""
     return p["G"] == 1 and 1 < p["KH"] * p["KW"] <= IGEMM_MAX_TAPS
+
+
+def igemm_preferred(q: Q8, p: dict, force: str) -> bool:
+    """Whether a layer igemm_fits takes the implicit GEMM: where forced (TINYDEPLOY_ALGO=
+    qconv2d_igemm), else where the ISA's descriptor prefers it (Q8.igemm: Cortex-A, by exact
+    instruction counts) and the input has more than one channel (KWS's first layer, 1 channel
+    10x4 stride 2: the im2col GEMM took 189 k instructions on rpi4 against 207 k, 82 k on
+    jetson-orin against 162 k). x86 keeps im2col: measured on an AVX2 host it ran every 3x3 / 7x7
+    layer of ResNet-50 (uint8) and the MLPerf Tiny int8 models as fast or faster (ResNet-50 151 ms
+    against 273 ms, IC 371 us against 414 us). TINYDEPLOY_ALGO=qconv2d_gemm keeps im2col."""
+    if not igemm_fits(p) or force == "qconv2d_gemm":
+        return False
+    return force == "qconv2d_igemm" or (q.igemm and p["C"] > 1)
 
 
 def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
@@ -335,7 +346,7 @@ def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:
         fam = "qconv2d_dw" if depthwise else "qconv2d_gemm"
         if fam == "qconv2d_gemm":
             isa = q8_isa("qconv2d_igemm", k, target) if force != "ref" else None
-            if isa is not None and force == "qconv2d_igemm" and igemm_fits(p):
+            if isa is not None and igemm_preferred(get_isa(isa).q8, p, force):
                 fam = "qconv2d_igemm"
     elif k.family == "qdense":
         fam = "qdense_packed"

@@ -22,7 +22,9 @@ class Q8:
     steps share one 32-bit lane (2, 4, 1), `lanes` int32 lanes per vector register; `weights` are
     the weight types (QConv's TW) it multiplies, `tiles` its GEMM register tiles (MR channels x NR
     pixels, relative cost) and `dense` the output columns of its fully connected kernel; `signed`:
-    a dot product that takes signed activations (SDOT; vpdpbusd takes them unsigned)."""
+    a dot product that takes signed activations (SDOT; vpdpbusd takes them unsigned); `igemm`:
+    KxK one-group convolutions take the implicit GEMM over padded planes rather than im2col
+    (schedule/q8.py igemm_fits says which)."""
     flavour: str
     kgroup: int
     lanes: int
@@ -30,6 +32,7 @@ class Q8:
     dense: int
     weights: tuple[str, ...] = ("int8_t", "uint8_t", "int16_t")
     signed: bool = False
+    igemm: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,12 @@ _Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (
                                   (8, 16, 1.25)), dense=64)
 _Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
 _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
-_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16)
-_Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True)
+# Cortex-A: the implicit GEMM, by exact instruction counts under qemu-aarch64 (IC int8: rpi4
+# 6.31 -> 4.68 M, jetson-orin 3.14 -> 1.61 M per inference; VWW's first layer 427 -> 226 k and
+# 243 -> 125 k), where no im2col row is gathered and packed per output channel block.
+_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True)
+_Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
+              igemm=True)
 ISAS = {isa.name: isa for isa in (
     ISA("ref", "portable C99, the fallback of every ISA", tiles=((4, 8, 1.0),), ref_cost=1.5, winograd_lanes=8),
     ISA("avx2", "x86-64 AVX2 + FMA (ymm)", features=("avx2", "fma"), ref_cost=5.0, winograd_lanes=8,
