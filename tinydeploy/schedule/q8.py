@@ -274,11 +274,15 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     q = get_isa(isa).q8
     hp, wp, phases, offs = dw_geometry(p)
     taps = p["KH"] * p["KW"]
-    lanes = 2 * q.lanes                          # outputs per iteration: two vectors of int32
+    # outputs per iteration: two vectors of int32 (x86), four (neon)
+    lanes = 4 * q.lanes if q.flavour == "mlal" else 2 * q.lanes
     flat = p["OH"] * wp
     span = _round_up(flat, lanes)
     planes = len(phases) * hp * wp
     plane_len = _round_up(max(planes, max(offs) + span), 16)
+    for ph in phases:                 # the plane rows [rlo, rhi) that come from the image
+        ph["rlo"] = min(max(0, -(-(p["PT"] - ph["py"]) // p["SH"])), hp)
+        ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     w = _conv_weights(g, k)                                   # [C][taps]
     consts = {}
@@ -294,9 +298,9 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
-             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, PLANE=plane_len, ZXL=zx_loop)
-    # int16 planes, then the output bytes of the flattened plane
-    scratch = 2 * plane_len + _round_up(span, 64)
+             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop)
+    # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes)
+    scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     desc = f"[qconv2d_dw {isa} {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts, scratch_dtype="int32")
