@@ -35,13 +35,22 @@ X86 = {"avx2": ((), []),
        "avx512-vnni": (("avx512f", "avx512bw", "avx512_vnni"), ["-mavx512f", "-mavx512bw", "-mavx512vnni"])}
 
 
-def chain_model(dtype, seed=0):
+def chain_model(dtype, seed=0, weights="random"):
+    """weights: "random" over the whole int8 range; "symmetric" in [-127, 127] (as symmetric
+    quantisers make them: Cortex-A72's SMULL-pair GEMM applies); "with-128" the same with one
+    -128 in every convolution (its SMLAL fallback)."""
     lo, hi = qrange(dtype)
     b = QDQ(seed)
 
     def conv(x, xs, c, m, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, act=None):
         ws = (b.rng.uniform(0.5, 2.0, m) * 2e-3).astype(np.float32)
-        w = b.weights((m, c // group, *k), np.int8, ws, np.zeros(m, np.int8), axis=0)
+        if weights == "random":
+            w = b.weights((m, c // group, *k), np.int8, ws, np.zeros(m, np.int8), axis=0)
+        else:
+            wq = b.rng.integers(-127, 128, (m, c // group, *k)).astype(np.int8)
+            if weights == "with-128":
+                wq.flat[wq.size // 2] = -128
+            w = b.dq(b.const(wq), ws, np.zeros(m, np.int8), np.int8, axis=0)
         y = b.node("Conv", [x, w, b.bias(m, (np.float32(xs) * ws).astype(np.float32))], kernel_shape=list(k),
                    strides=list(s), pads=list(pads), group=group)
         return b.node("Relu", [y]) if act == "relu" else y
@@ -116,19 +125,25 @@ def test_x86_kernels_bit_exact(isa, algo, dtype, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board, algo", [pytest.param(b, a, id=f"{b}-{a}") for b in ("rpi4", "jetson-orin")
                                           for a in ("auto", "qconv2d_gemm")])      # neon; neon-dotprod
-def test_aarch64_kernels_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
+def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkeypatch):
+    """A -128 in a layer's weights keeps Cortex-A72's SMLAL GEMM; symmetric weights take its SMULL
+    pairs (the im2col GEMM layers: strided and padded, 1x1 direct, grouped, 5x5, odd K and pixel
+    tails), the same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
-    path = save(chain_model(dtype), tmp_path)
-    for seed in (0,):
+    path = save(chain_model(dtype, weights=weights), tmp_path)
+    for seed in (0, 1):
         res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert _kernels(tmp_path / "b") == _aarch64_kernels(algo)
     assert ("vdotq_" in src) == (board == "jetson-orin")
+    gemms = src.count("[qconv2d_gemm ")
+    assert src.count("[qconv2d_gemm neon smull ") == (gemms if board == "rpi4" and weights == "symmetric" else 0)
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

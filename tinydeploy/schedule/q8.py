@@ -15,6 +15,10 @@ descriptor says how it multiplies exactly:
         b_k = b' - (zx_loop + off) * sum(w) over every tap (int32 arithmetic wraps; the true
         accumulator fits, quant.fit_int32 proved it, so the wrapped sum is the reference's)
   mlal  int16 x int16 products widened into int32 lanes (Arm SMLAL by lane), activations as madd.
+  smull the im2col GEMM of an mlal ISA where the layer's int8 weights hold no -128 (Q8.pairs,
+        checked here at build time): int8 x int8 products in int16 (SMULL), two summed (SMLAL2;
+        |pair| <= 2 * 127 * 128 < 2^15), pairs of those into int32 (SADALP); activations and bias
+        as for dot (signed).
 
 Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
 qdense_packed.c.j2; the ISA pieces in _q8.j2):
@@ -70,7 +74,7 @@ def q8_isa(family: str, k: Kernel, target) -> str | None:
 def act_offset(q: Q8, tx: str, zx_loop: int) -> tuple[int, bool]:
     """(off, flip): the kernel multiplies v = x + off, as int16 (madd, mlal: off = -zx_loop) or as
     bytes of the signedness its dot product wants (flip: x ^ 0x80, off = +-128)."""
-    if q.flavour != "dot":
+    if q.flavour not in ("dot", "smull"):
         return -zx_loop, False
     signed = tx == "int8_t"
     flip = signed != q.signed
@@ -143,6 +147,14 @@ def _tile(q: Q8, rows: int, cols: int) -> tuple[int, int]:
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
+def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
+    """The descriptor the im2col GEMM of this layer uses: the ISA's, or its `pairs` flavour where
+    the weights are int8 with no -128 (checked here, at build time)."""
+    if q.pairs is not None and k.params["TW"] in q.pairs.weights and w.size and int(w.min()) > -128:
+        return q.pairs
+    return q
+
+
 def _group_bytes(q: Q8) -> int:
     """Bytes one column of a packed activation panel takes per k-group."""
     return 2 * q.kgroup if q.flavour in ("madd", "mlal") else q.kgroup
@@ -159,7 +171,8 @@ def gemm_scratch_words(p: dict) -> int:
 
 def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
-    q = get_isa(isa).q8
+    w = _conv_weights(g, k)                                   # [M][K]
+    q = _gemm_q8(get_isa(isa).q8, k, w)
     G = p["G"]
     mg, cg = p["M"] // G, p["C"] // G
     kk = cg * p["KH"] * p["KW"]
@@ -176,12 +189,12 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     nc = min(_round_up(cols, nr), max(nr, (l2 // 2) // (kcg * gb) // nr * nr))
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     off, flip = act_offset(q, p["TX"], zx_loop)
-    w = _conv_weights(g, k)                                   # [M][K]
     wp = np.zeros((G, mp, kgn * kg), np.int64)
     wp[:, :mg, :kk] = w.reshape(G, mg, kk)
     wp = wp.reshape(G, mp // mr, mr, kgn, kg).transpose(0, 1, 3, 2, 4)    # [G][MP/MR][KGN][MR][KG]
     consts = {}
-    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), group_words(wp, q.flavour).reshape(-1))
+    wdat = wp.astype(np.int8) if q.flavour == "smull" else group_words(wp, q.flavour)
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], mg, mp)
     direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0 and (
         p["OH"], p["OW"]) == (p["H"], p["W"])
@@ -191,7 +204,8 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     how = "direct" if direct else "im2col"
-    desc = f"[qconv2d_gemm {isa} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    pairs = " smull" if q.flavour == "smull" else ""
+    desc = f"[qconv2d_gemm {isa}{pairs} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
 

@@ -24,7 +24,9 @@ class Q8:
     pixels, relative cost) and `dense` the output columns of its fully connected kernel; `signed`:
     a dot product that takes signed activations (SDOT; vpdpbusd takes them unsigned); `igemm`:
     KxK one-group convolutions take the implicit GEMM over padded planes rather than im2col
-    (schedule/q8.py igemm_fits says which)."""
+    (schedule/q8.py igemm_fits says which); `pairs`: the descriptor of the im2col GEMM for layers
+    whose int8 weights hold no -128 (flavour "smull", Arm SMULL + SMLAL2 + SADALP: two int8
+    products summed in int16, exact because no pair is (-128) x (-128); 16 k values per step)."""
     flavour: str
     kgroup: int
     lanes: int
@@ -33,6 +35,7 @@ class Q8:
     weights: tuple[str, ...] = ("int8_t", "uint8_t", "int16_t")
     signed: bool = False
     igemm: bool = False
+    pairs: "Q8 | None" = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,11 @@ _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
 # Cortex-A: the implicit GEMM, by exact instruction counts under qemu-aarch64 (IC int8: rpi4
 # 6.31 -> 4.68 M, jetson-orin 3.14 -> 1.61 M per inference; VWW's first layer 427 -> 226 k and
 # 243 -> 125 k), where no im2col row is gathered and packed per output channel block.
-_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True)
+# SMULL pairs: a 4 x 4 tile of int32x4 partial sums (16 accumulators, 4 + 4 q registers of bytes):
+# 3 instructions per 16 MACs where SMLAL by lane takes 4 per 16 (with its loads 59 per 256
+# against 21 per 64)
+_Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=16, weights=("int8_t",), signed=True)
+_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL)
 _Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
               igemm=True)
 ISAS = {isa.name: isa for isa in (
