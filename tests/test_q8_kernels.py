@@ -35,11 +35,10 @@ X86 = {"avx2": ((), []),
        "avx512-vnni": (("avx512f", "avx512bw", "avx512_vnni"), ["-mavx512f", "-mavx512bw", "-mavx512vnni"])}
 
 
-def chain_model(dtype, seed=0, weights="random"):
-    """weights: "random" over the whole int8 range; "symmetric" in [-127, 127] (as symmetric
-    quantisers make them: Cortex-A72's SMULL-pair GEMM applies); "with-128" the same with one
-    -128 in every convolution (its SMLAL fallback)."""
-    lo, hi = qrange(dtype)
+def _chain_layers(dtype, seed, weights):
+    """(QDQ builder, conv, requant) of the test chains. weights: "random" over the whole int8
+    range; "symmetric" in [-127, 127] (as symmetric quantisers make them: Cortex-A72's SMULL-pair
+    kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback)."""
     b = QDQ(seed)
 
     def conv(x, xs, c, m, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, act=None):
@@ -57,6 +56,12 @@ def chain_model(dtype, seed=0, weights="random"):
 
     def requant(y, scale, zp):
         return b.dq(b.q(y, scale, zp, dtype), scale, zp, dtype), scale
+    return b, conv, requant
+
+
+def chain_model(dtype, seed=0, weights="random"):
+    lo, hi = qrange(dtype)
+    b, conv, requant = _chain_layers(dtype, seed, weights)
 
     x, xs = b.dq("x", 0.05, lo, dtype), 0.05                                      # zero point at the bottom
     x, xs = requant(conv(x, xs, 5, 13, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)   # odd, s2, padded
@@ -71,6 +76,19 @@ def chain_model(dtype, seed=0, weights="random"):
     y = b.node("Gemm", [f, b.weights((11, k), np.int8, ws), b.bias(11, np.float32(xs) * ws)], transB=1)
     yq = b.q(y, 0.1, lo + 1, dtype)
     return b.model([("x", dtype, [1, 5, 11, 10])], [(yq, dtype)])
+
+
+def wide_model(dtype, weights):
+    """KxK layers over 16 and 32 channels (the implicit GEMM's SMULL pairs on Cortex-A72: channel
+    groups of 16): 3x3 stride 2 asymmetrically padded, 3x3 padded and 5x5 with an odd M over 20
+    columns (one 16-column transpose, then single columns)."""
+    lo, hi = qrange(dtype)
+    b, conv, requant = _chain_layers(dtype, 3, weights)
+    x, xs = b.dq("x", 0.05, lo + 7, dtype), 0.05
+    x, xs = requant(conv(x, xs, 32, 16, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)
+    x, xs = requant(conv(x, xs, 16, 16, (3, 3), pads=(1, 1, 1, 1)), 0.05, lo + 3)
+    y = conv(x, xs, 16, 7, (5, 5), pads=(2, 2, 2, 2))
+    return b.model([("x", dtype, [1, 32, 7, 40])], [(b.q(y, 0.1, 0, dtype), dtype)])
 
 
 def _kernels(build_dir: Path) -> set[str]:
@@ -144,6 +162,23 @@ def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkey
     assert ("vdotq_" in src) == (board == "jetson-orin")
     gemms = src.count("[qconv2d_gemm ")
     assert src.count("[qconv2d_gemm neon smull ") == (gemms if board == "rpi4" and weights == "symmetric" else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path):
+    """Cortex-A72's implicit GEMM: SMULL pairs over [pixel][16 channels] byte planes where the
+    weights hold no -128 (16 x 16 transposes for stride 1, byte gathers for stride 2), else
+    SMLAL; the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(wide_model(dtype, weights), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_igemm neon smull ") == (3 if weights == "symmetric" else 0)
+    assert src.count("[qconv2d_igemm neon ") == 3
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

@@ -229,7 +229,11 @@ def igemm_preferred(q: Q8, p: dict, force: str) -> bool:
 
 def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
+    w = _conv_weights(g, k)                                             # [M][C * taps]
     q = get_isa(isa).q8
+    pq = _gemm_q8(q, k, w)
+    if pq is not q and -(-p["C"] // pq.kgroup) * pq.kgroup * 4 <= 5 * p["C"]:
+        q = pq                  # SMULL pairs where the channel groups of 16 waste <= 1/4
     kg = q.kgroup
     hp, wp, phases, offs = dw_geometry(p)
     taps = p["KH"] * p["KW"]
@@ -241,25 +245,26 @@ def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> K
     planes = _round_up((cgn - 1) * pls + max(pls, max(offs) + flatp), 16)
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     off, flip = act_offset(q, p["TX"], zx_loop)
-    w = _conv_weights(g, k)                                             # [M][C * taps]
     mp = _round_up(p["M"], mr)
     wc = np.zeros((mp, cgn * kg, taps), np.int64)
     wc[:p["M"], :p["C"]] = w.reshape(p["M"], p["C"], taps)
     # k-group (channel group, tap): [MP/MR][CGN * taps][MR][KG]
     wc = wc.reshape(mp // mr, mr, cgn, kg, taps).transpose(0, 2, 4, 1, 3).reshape(mp // mr, cgn * taps, mr, kg)
     consts = {}
-    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), group_words(wc, q.flavour).reshape(-1))
+    wdat = wc.astype(np.int8) if q.flavour == "smull" else group_words(wc, q.flavour)
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["M"], mp)
     padv = 0
     if q.flavour == "dot":                  # four bytes of the zero point (as the kernel reads x)
         padv = int(np.array([((p["ZX"] % 256) ^ (0x80 if flip else 0)) * 0x01010101], np.uint32).view(np.int32)[0])
-    unit = 2 if q.flavour == "mlal" else 4
+    unit = {"mlal": 2, "smull": 16}.get(q.flavour, 4)          # bytes per plane element
     p.update(algo="qconv2d_igemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=cgn * taps, CGN=cgn, PLS=pls, HP=hp,
              WP=wp, PHASES=phases, OFFS=offs, FLAT=flat, FLATP=flatp, PLANES=planes, MR=mr, NR=nr, MP=mp,
-             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv)
+             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv, PADB=(p["ZX"] % 256) ^ (0x80 if flip else 0))
     scratch = unit * planes + _round_up(p["M"] * flatp, 64)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    desc = f"[qconv2d_igemm {isa} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    pairs = " smull" if q.flavour == "smull" else ""
+    desc = f"[qconv2d_igemm {isa}{pairs} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_igemm", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
                   scratch_dtype="int32")
 
