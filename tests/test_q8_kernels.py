@@ -41,27 +41,29 @@ def _chain_layers(dtype, seed, weights):
     kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback)."""
     b = QDQ(seed)
 
+    def wts(shape, ws, zp=0, axis=None):
+        if weights == "random":
+            return b.weights(shape, np.int8, ws, zp, axis=axis)
+        wq = b.rng.integers(-127, 128, shape).astype(np.int8)
+        if weights == "with-128":
+            wq.flat[wq.size // 2] = -128
+        return b.dq(b.const(wq), ws, zp, np.int8, axis)
+
     def conv(x, xs, c, m, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, act=None):
         ws = (b.rng.uniform(0.5, 2.0, m) * 2e-3).astype(np.float32)
-        if weights == "random":
-            w = b.weights((m, c // group, *k), np.int8, ws, np.zeros(m, np.int8), axis=0)
-        else:
-            wq = b.rng.integers(-127, 128, (m, c // group, *k)).astype(np.int8)
-            if weights == "with-128":
-                wq.flat[wq.size // 2] = -128
-            w = b.dq(b.const(wq), ws, np.zeros(m, np.int8), np.int8, axis=0)
+        w = wts((m, c // group, *k), ws, np.zeros(m, np.int8), axis=0)
         y = b.node("Conv", [x, w, b.bias(m, (np.float32(xs) * ws).astype(np.float32))], kernel_shape=list(k),
                    strides=list(s), pads=list(pads), group=group)
         return b.node("Relu", [y]) if act == "relu" else y
 
     def requant(y, scale, zp):
         return b.dq(b.q(y, scale, zp, dtype), scale, zp, dtype), scale
-    return b, conv, requant
+    return b, conv, requant, wts
 
 
 def chain_model(dtype, seed=0, weights="random"):
     lo, hi = qrange(dtype)
-    b, conv, requant = _chain_layers(dtype, seed, weights)
+    b, conv, requant, wts = _chain_layers(dtype, seed, weights)
 
     x, xs = b.dq("x", 0.05, lo, dtype), 0.05                                      # zero point at the bottom
     x, xs = requant(conv(x, xs, 5, 13, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)   # odd, s2, padded
@@ -73,7 +75,7 @@ def chain_model(dtype, seed=0, weights="random"):
     f, xs = requant(b.node("Flatten", [x]), xs, 0)
     k = 7 * 5 * 5                                                             # odd K
     ws = np.float32(3e-3)
-    y = b.node("Gemm", [f, b.weights((11, k), np.int8, ws), b.bias(11, np.float32(xs) * ws)], transB=1)
+    y = b.node("Gemm", [f, wts((11, k), ws), b.bias(11, np.float32(xs) * ws)], transB=1)
     yq = b.q(y, 0.1, lo + 1, dtype)
     return b.model([("x", dtype, [1, 5, 11, 10])], [(yq, dtype)])
 
@@ -83,7 +85,7 @@ def wide_model(dtype, weights):
     groups of 16): 3x3 stride 2 asymmetrically padded, 3x3 padded and 5x5 with an odd M over 20
     columns (one 16-column transpose, then single columns)."""
     lo, hi = qrange(dtype)
-    b, conv, requant = _chain_layers(dtype, 3, weights)
+    b, conv, requant, _ = _chain_layers(dtype, 3, weights)
     x, xs = b.dq("x", 0.05, lo + 7, dtype), 0.05
     x, xs = requant(conv(x, xs, 32, 16, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)
     x, xs = requant(conv(x, xs, 16, 16, (3, 3), pads=(1, 1, 1, 1)), 0.05, lo + 3)
@@ -160,8 +162,9 @@ def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkey
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert _kernels(tmp_path / "b") == _aarch64_kernels(algo)
     assert ("vdotq_" in src) == (board == "jetson-orin")
-    gemms = src.count("[qconv2d_gemm ")
-    assert src.count("[qconv2d_gemm neon smull ") == (gemms if board == "rpi4" and weights == "symmetric" else 0)
+    pairs = board == "rpi4" and weights == "symmetric"
+    assert src.count("[qconv2d_gemm neon smull ") == (src.count("[qconv2d_gemm ") if pairs else 0)
+    assert ("[qdense_packed neon smull " in src) == pairs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

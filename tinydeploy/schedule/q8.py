@@ -327,7 +327,8 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
 
 def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
-    q = get_isa(isa).q8
+    w = k.tensor(k.args[1], g).data.astype(np.int64)            # [N][K]
+    q = _gemm_q8(get_isa(isa).q8, k, w)
     m, kk, n = p["M"], p["K"], p["N"]
     kg = q.kgroup
     kgn = -(-kk // kg)
@@ -338,12 +339,11 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
     # whole vectors of columns (mlal: int16 weight registers of 8 columns)
     nrd = min(q.dense, _round_up(n, 8 if q.flavour == "mlal" else q.lanes))
     npad = _round_up(n, nrd)
-    w = k.tensor(k.args[1], g).data.astype(np.int64)            # [N][K]
     wk = np.zeros((npad, kgn * kg), np.int64)
     wk[:n, :kk] = w
     wk = wk.reshape(npad // nrd, nrd, kgn, kg).transpose(0, 2, 1, 3)         # [N/NRD][KGN][NRD][KG]
     consts = {}
-    if q.flavour == "dot":
+    if q.flavour in ("dot", "smull"):
         wdat = wk.astype(np.int8)
     else:                                      # kept in the weight type, widened as loaded
         wdat = wk.astype(np.dtype({"int8_t": np.int8, "uint8_t": np.uint8, "int16_t": np.int16}[p["TW"]]))
@@ -352,9 +352,10 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
     off, flip = act_offset(q, p["TX"], 0)
     p.update(algo="qdense_packed", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, NRD=nrd, NP=npad,
              XOFF=off, FLIP=flip)
-    scratch = 4 * kgn if q.flavour != "mlal" else 2 * kgn
+    scratch = kgn * _group_bytes(q)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    desc = f"[qdense_packed {isa} {nrd} columns] {k.desc}"
+    pairs = " smull" if q.flavour == "smull" else ""
+    desc = f"[qdense_packed {isa}{pairs} {nrd} columns] {k.desc}"
     return Kernel("qdense_packed", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts,
                   scratch_dtype="int32")
 

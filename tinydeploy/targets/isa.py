@@ -72,7 +72,7 @@ _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
 # SMULL pairs: a 4 x 4 tile of int32x4 partial sums (16 accumulators, 4 + 4 q registers of bytes):
 # 3 instructions per 16 MACs where SMLAL by lane takes 4 per 16 (with its loads 59 per 256
 # against 21 per 64)
-_Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=16, weights=("int8_t",), signed=True)
+_Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), signed=True)
 _Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL)
 _Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
               igemm=True)
