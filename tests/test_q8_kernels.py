@@ -184,6 +184,30 @@ def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path):
     assert src.count("[qconv2d_igemm neon ") == 3
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
+    """A K split (partial int32 sums in scratch between k blocks, the bias on the first, the
+    requantisation on the last): with a 2 KiB L1 a block holds 16 k-groups, so a 1x1 layer over
+    600 channels (38 SMULL k-groups of 16, 600 SMLAL k-groups) runs in 3 blocks on rpi4
+    (SMULL pairs) and 38 (SMLAL: weights with a -128) and on jetson-orin (SDOT)."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    from tinydeploy.targets import boards
+    real = boards.Board.make_target
+    monkeypatch.setattr(boards.Board, "make_target", lambda self: dataclasses.replace(real(self), l1d_bytes=2048))
+    lo, hi = qrange(dtype)
+    for weights in ("symmetric", "with-128"):
+        b, conv, _, _ = _chain_layers(dtype, 5, weights)
+        y = conv(b.dq("x", 0.02, lo + 9, dtype), 0.02, 600, 13, (1, 1), act="relu")
+        path = save(b.model([("x", dtype, [1, 600, 3, 7])], [(b.q(y, 0.5, lo, dtype), dtype)]), tmp_path)
+        for board in ("rpi4", "jetson-orin"):
+            res = flow.run(path, board, outdir=tmp_path / f"{weights}-{board}", quiet=True, latency=False, emulate=True)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], res
+            src = (tmp_path / f"{weights}-{board}" / "td_kernels.c").read_text()
+            assert "if (!last)" in src
+            assert ("[qconv2d_gemm neon smull " in src) == (board == "rpi4" and weights == "symmetric")
+
+
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
 # a shift above 32); broadcasting keeps the reference
 NEON_ADD = {"resnet-like-relu": "ties", "saturating-zp-extremes": "round", "u8-relu": "ties",
