@@ -94,10 +94,12 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
         compile_model(q8, boards.get_board(board).make_target(), board=board)
     monkeypatch.delenv("TINYDEPLOY_ALGO")
     add = _save(_add_model((1, 8, 4, 5), (1, 8, 4, 5), -128, 4, -128, 0.05, 0.11, 0.12), tmp_path, "add")
-    for isa in ("avx512", "avx2"):                          # qadd in double precision
+    for isa in ("avx512", "avx2"):                          # qadd in double precision (x86)
         with monkeypatch.context() as mp:
             mp.setitem(targets.TARGETS, "host", lambda isa=isa: dataclasses.replace(targets.host(), isas=[isa, "avx2"]))
             compile_model(add, get_target("host"), board="host")
+    compile_model(_save(_add_model((1, 8, 4, 5), (1, 8, 4, 5), -128, 4, -128, 0.05, 0.11, 0.12), tmp_path, "add"),
+                  rpi4, board="rpi4")
 
     m4 = boards.get_board("mps2-an386").make_target()
     for i, model in enumerate([_conv_model(C=16, M=16, H=6, W=6, k=(1, 1)),

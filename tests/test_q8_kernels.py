@@ -8,8 +8,9 @@ scale small enough to saturate. It runs under each x86 ISA (AVX2 natively; AVX-5
 AVX-512 VNNI natively where the CPU has them, else through the SIMDe shim in tests/simde, which
 emulates their intrinsics with the same integer results), and under qemu-aarch64 for NEON
 (Cortex-A72) and the dot product (Cortex-A78AE, qemu -cpu cortex-a76). Every ISA runs the
-im2col GEMM, depthwise and fully connected kernels; one ISA per multiply flavour also runs with
-the implicit GEMM forced (TINYDEPLOY_ALGO=qconv2d_igemm: the 3x3 stride-2, 3x3 and 5x5 layers).
+im2col GEMM, depthwise and fully connected kernels; the implicit GEMM (the 3x3 stride-2, 3x3 and
+5x5 layers) runs on Cortex-A by itself (im2col there when forced: TINYDEPLOY_ALGO=qconv2d_gemm)
+and on one x86 ISA per multiply flavour when forced (TINYDEPLOY_ALGO=qconv2d_igemm).
 """
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
+from test_cortex_m_kernels import ADD_CASES, _add_model
 from test_quantized import QDQ, qrange
 from tinydeploy import flow, reference, targets
 from tinydeploy.runners.local import LocalRunner
@@ -33,19 +36,35 @@ X86 = {"avx2": ((), []),
        "avx512-vnni": (("avx512f", "avx512bw", "avx512_vnni"), ["-mavx512f", "-mavx512bw", "-mavx512vnni"])}
 
 
-def chain_model(dtype, seed=0):
-    lo, hi = qrange(dtype)
+def _chain_layers(dtype, seed, weights):
+    """(QDQ builder, conv, requant) of the test chains. weights: "random" over the whole int8
+    range; "symmetric" in [-127, 127] (as symmetric quantisers make them: Cortex-A72's SMULL-pair
+    kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback)."""
     b = QDQ(seed)
+
+    def wts(shape, ws, zp=0, axis=None):
+        if weights == "random":
+            return b.weights(shape, np.int8, ws, zp, axis=axis)
+        wq = b.rng.integers(-127, 128, shape).astype(np.int8)
+        if weights == "with-128":
+            wq.flat[wq.size // 2] = -128
+        return b.dq(b.const(wq), ws, zp, np.int8, axis)
 
     def conv(x, xs, c, m, k, s=(1, 1), pads=(0, 0, 0, 0), group=1, act=None):
         ws = (b.rng.uniform(0.5, 2.0, m) * 2e-3).astype(np.float32)
-        w = b.weights((m, c // group, *k), np.int8, ws, np.zeros(m, np.int8), axis=0)
+        w = wts((m, c // group, *k), ws, np.zeros(m, np.int8), axis=0)
         y = b.node("Conv", [x, w, b.bias(m, (np.float32(xs) * ws).astype(np.float32))], kernel_shape=list(k),
                    strides=list(s), pads=list(pads), group=group)
         return b.node("Relu", [y]) if act == "relu" else y
 
     def requant(y, scale, zp):
         return b.dq(b.q(y, scale, zp, dtype), scale, zp, dtype), scale
+    return b, conv, requant, wts
+
+
+def chain_model(dtype, seed=0, weights="random"):
+    lo, hi = qrange(dtype)
+    b, conv, requant, wts = _chain_layers(dtype, seed, weights)
 
     x, xs = b.dq("x", 0.05, lo, dtype), 0.05                                      # zero point at the bottom
     x, xs = requant(conv(x, xs, 5, 13, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)   # odd, s2, padded
@@ -57,9 +76,22 @@ def chain_model(dtype, seed=0):
     f, xs = requant(b.node("Flatten", [x]), xs, 0)
     k = 7 * 5 * 5                                                             # odd K
     ws = np.float32(3e-3)
-    y = b.node("Gemm", [f, b.weights((11, k), np.int8, ws), b.bias(11, np.float32(xs) * ws)], transB=1)
+    y = b.node("Gemm", [f, wts((11, k), ws), b.bias(11, np.float32(xs) * ws)], transB=1)
     yq = b.q(y, 0.1, lo + 1, dtype)
     return b.model([("x", dtype, [1, 5, 11, 10])], [(yq, dtype)])
+
+
+def wide_model(dtype, weights):
+    """KxK layers over 16 and 32 channels (the implicit GEMM's SMULL pairs on Cortex-A72: channel
+    groups of 16): 3x3 stride 2 asymmetrically padded, 3x3 padded and 5x5 with an odd M over 20
+    columns (one 16-column transpose, then single columns)."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 3, weights)
+    x, xs = b.dq("x", 0.05, lo + 7, dtype), 0.05
+    x, xs = requant(conv(x, xs, 32, 16, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)
+    x, xs = requant(conv(x, xs, 16, 16, (3, 3), pads=(1, 1, 1, 1)), 0.05, lo + 3)
+    y = conv(x, xs, 16, 7, (5, 5), pads=(2, 2, 2, 2))
+    return b.model([("x", dtype, [1, 32, 7, 40])], [(b.q(y, 0.1, 0, dtype), dtype)])
 
 
 def _kernels(build_dir: Path) -> set[str]:
@@ -69,13 +101,18 @@ def _kernels(build_dir: Path) -> set[str]:
 
 DTYPES = [pytest.param(np.int8, id="s8"), pytest.param(np.uint8, id="u8")]
 AUTO = {"qconv2d_gemm", "qconv2d_dw", "qdense_packed"}
-# the implicit GEMM, chosen only when forced: once per multiply flavour (madd, dot, mlal)
-IGEMM = {"avx2", "avx512-vnni", "rpi4", "jetson-orin"}
+# x86: the implicit GEMM only when forced, once per multiply flavour (madd, dot); Cortex-A takes
+# it by itself for the one-group KxK layers (Q8.igemm), and im2col when forced
+IGEMM = {"avx2", "avx512-vnni"}
 
 
 def _cases(places):
     return [pytest.param(w, a, id=f"{w}-{a}") for w in places
             for a in ["auto"] + (["qconv2d_igemm"] if w in IGEMM else [])]
+
+
+def _aarch64_kernels(algo):
+    return AUTO | ({"qconv2d_igemm"} if algo == "auto" else set())
 
 
 def _x86_host(isa: str, monkeypatch, isas: list[str] | None = None) -> None:
@@ -115,18 +152,89 @@ def test_x86_kernels_bit_exact(isa, algo, dtype, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("board, algo", _cases(["rpi4", "jetson-orin"]))      # neon; neon-dotprod
-def test_aarch64_kernels_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+@pytest.mark.parametrize("board, algo", [pytest.param(b, a, id=f"{b}-{a}") for b in ("rpi4", "jetson-orin")
+                                          for a in ("auto", "qconv2d_gemm")])      # neon; neon-dotprod
+def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkeypatch):
+    """A -128 in a layer's weights keeps Cortex-A72's SMLAL GEMM; symmetric weights take its SMULL
+    pairs (the im2col GEMM layers: strided and padded, 1x1 direct, grouped, 5x5, odd K and pixel
+    tails), the same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
-    path = save(chain_model(dtype), tmp_path)
-    for seed in (0,):
+    path = save(chain_model(dtype, weights=weights), tmp_path)
+    for seed in (0, 1):
         res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert _kernels(tmp_path / "b") == AUTO | ({"qconv2d_igemm"} if algo != "auto" else set())
+    assert _kernels(tmp_path / "b") == _aarch64_kernels(algo)
     assert ("vdotq_" in src) == (board == "jetson-orin")
+    pairs = board == "rpi4" and weights == "symmetric"
+    assert src.count("[qconv2d_gemm neon smull ") == (src.count("[qconv2d_gemm ") if pairs else 0)
+    assert ("[qdense_packed neon smull " in src) == pairs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path):
+    """Cortex-A72's implicit GEMM: SMULL pairs over [pixel][16 channels] byte planes where the
+    weights hold no -128 (16 x 16 transposes for stride 1, byte gathers for stride 2), else
+    SMLAL; the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(wide_model(dtype, weights), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_igemm neon smull ") == (3 if weights == "symmetric" else 0)
+    assert src.count("[qconv2d_igemm neon ") == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
+    """A K split (partial int32 sums in scratch between k blocks, the bias on the first, the
+    requantisation on the last), which happens only where a panel over all of K does not fit half
+    of L2: with a 2 KiB L1 and L2 a block holds 16 k-groups, so a 1x1 layer over
+    600 channels (38 SMULL k-groups of 16, 600 SMLAL k-groups) runs in 3 blocks on rpi4
+    (SMULL pairs) and 38 (SMLAL: weights with a -128) and on jetson-orin (SDOT)."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    from tinydeploy.targets import boards
+    real = boards.Board.make_target
+    monkeypatch.setattr(boards.Board, "make_target",
+                        lambda self: dataclasses.replace(real(self), l1d_bytes=2048, l2_bytes=2048))
+    lo, hi = qrange(dtype)
+    for weights in ("symmetric", "with-128"):
+        b, conv, _, _ = _chain_layers(dtype, 5, weights)
+        y = conv(b.dq("x", 0.02, lo + 9, dtype), 0.02, 600, 13, (1, 1), act="relu")
+        path = save(b.model([("x", dtype, [1, 600, 3, 7])], [(b.q(y, 0.5, lo, dtype), dtype)]), tmp_path)
+        for board in ("rpi4", "jetson-orin"):
+            res = flow.run(path, board, outdir=tmp_path / f"{weights}-{board}", quiet=True, latency=False, emulate=True)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], res
+            src = (tmp_path / f"{weights}-{board}" / "td_kernels.c").read_text()
+            assert "if (!last)" in src
+            assert ("[qconv2d_gemm neon smull " in src) == (board == "rpi4" and weights == "symmetric")
+
+
+# the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
+# a shift above 32); broadcasting keeps the reference
+NEON_ADD = {"resnet-like-relu": "ties", "saturating-zp-extremes": "round", "u8-relu": "ties",
+            "exact-ties": "ties", "large-shift": "round", "broadcast": None}
+
+
+@pytest.mark.parametrize("case", list(NEON_ADD))
+def test_aarch64_qadd_bit_exact(case, tmp_path):
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = tmp_path / "m.onnx"
+    onnx.save(_add_model(**ADD_CASES[case][0]), str(path))
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert ("(neon)" in src) == (NEON_ADD[case] is not None)
+    assert ("vceqq_s64" in src) == (NEON_ADD[case] == "ties")
 
 
 def test_threads_bit_exact(tmp_path):

@@ -86,6 +86,7 @@ VARIANTS = (
     Variant("qdense", ("s8", "u8"), ("cortex-m4-dsp",), "qdense_cortex-m4-dsp.c.j2"),
     Variant("qadd", ("s8", "u8"), ("cortex-m4-dsp",), "qadd_cortex-m4-dsp.c.j2"),
     Variant("qadd", ("s8", "u8"), ("avx512", "avx2"), "qadd_simd.c.j2"),
+    Variant("qadd", ("s8", "u8"), ("neon",), "qadd_neon.c.j2"),
 )
 _BY_KEY = {(v.family, d, i): v for v in VARIANTS for d in v.dtypes for i in v.isas}
 

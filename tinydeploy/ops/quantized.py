@@ -13,7 +13,7 @@ from tinydeploy.ops.conv import conv_geometry, conv_macs
 from tinydeploy.ops.elementwise import broadcast_loops
 from tinydeploy.ops.pool import _geometry as pool_geometry, pool_macs
 from tinydeploy.ops.verify import axis_problem, scale_problems, shape
-from tinydeploy.quant.params import ties_possible
+from tinydeploy.quant.params import qadd_ties, ties_possible
 
 QTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 
@@ -105,7 +105,8 @@ def emit_qadd(node: ir.Node, g: ir.Graph) -> Kernel:
     q = node.attrs["_q"]
     p = {"TA": c_type(g.t(a).dtype), "TB": c_type(g.t(b).dtype), "TY": c_type(g.t(y).dtype),
          "dims": dims, "sa": sa, "sb": sb, "ZA": q["za"], "ZB": q["zb"], "ZY": q["zy"],
-         "MA": q["ma"], "MB": q["mb"], "S": q["s"], "LO": q["lo"], "HI": q["hi"]}
+         "MA": q["ma"], "MB": q["mb"], "S": q["s"], "LO": q["lo"], "HI": q["hi"],
+         "TIES": qadd_ties(g.t(a).dtype, g.t(b).dtype, q["za"], q["zb"], q["ma"], q["mb"], q["s"])}
     return Kernel("qadd", dtype_tag(g.t(y).dtype), p, [a, b, y],
                   desc=f"{list(g.t(a).shape)} + {list(g.t(b).shape)} -> {list(g.t(y).shape)}")
 

@@ -68,6 +68,23 @@ def ties_possible(acc_bound, m, s) -> bool:
     return False
 
 
+def qadd_ties(ta, tb, za: int, zb: int, ma: int, mb: int, s: int) -> bool:
+    """Whether (a - za) * ma + (b - zb) * mb can be exactly halfway between two multiples of 2**s
+    for some a of type `ta`, b of type `tb` (all 2**16 pairs tried). Kernels of a QAdd without
+    ties may round half up (cheaper) with identical results."""
+    if s < 1:
+        return False
+    a = np.arange(*_span(ta), dtype=np.int64)[:, None] - za
+    b = np.arange(*_span(tb), dtype=np.int64)[None, :] - zb
+    v = a * int(ma) + b * int(mb)
+    return bool(np.any((v & ((1 << s) - 1)) == (1 << (s - 1))))
+
+
+def _span(dtype) -> tuple[int, int]:
+    lo, hi = qrange(dtype)
+    return lo, hi + 1
+
+
 def qrange(dtype) -> tuple[int, int]:
     info = np.iinfo(np.dtype(dtype))
     return int(info.min), int(info.max)

@@ -15,6 +15,10 @@ descriptor says how it multiplies exactly:
         b_k = b' - (zx_loop + off) * sum(w) over every tap (int32 arithmetic wraps; the true
         accumulator fits, quant.fit_int32 proved it, so the wrapped sum is the reference's)
   mlal  int16 x int16 products widened into int32 lanes (Arm SMLAL by lane), activations as madd.
+  smull the im2col GEMM of an mlal ISA where the layer's int8 weights hold no -128 (Q8.pairs,
+        checked here at build time): int8 x int8 products in int16 (SMULL), two summed (SMLAL2;
+        |pair| <= 2 * 127 * 128 < 2^15), pairs of those into int32 (SADALP); activations and bias
+        as for dot (signed).
 
 Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
 qdense_packed.c.j2; the ISA pieces in _q8.j2):
@@ -30,8 +34,9 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
                  of the plane (x - zx), one plane per stride phase, then every output of the
                  flattened plane at once: tap pairs by vpmaddwd (x86) or taps by SMLAL (neon).
   qconv2d_igemm  one-group KxK convolution as an implicit GEMM over zero-point-padded planes of
-                 KG interleaved channels (no im2col; taps unrolled): only when forced
-                 (TINYDEPLOY_ALGO=qconv2d_igemm), see igemm_fits.
+                 KG interleaved channels (no im2col; taps unrolled): on ISAs whose descriptor
+                 prefers it (Cortex-A), or when forced (TINYDEPLOY_ALGO=qconv2d_igemm); see
+                 igemm_preferred.
   qdense_packed  fully connected: output columns in the vector lanes (weights packed at build
                  time [N/NRD][KGN][NRD][KG], int8 kept int8 and widened as loaded), the input
                  row broadcast a k-group at a time, the requantisation per column in registers.
@@ -70,7 +75,7 @@ def q8_isa(family: str, k: Kernel, target) -> str | None:
 def act_offset(q: Q8, tx: str, zx_loop: int) -> tuple[int, bool]:
     """(off, flip): the kernel multiplies v = x + off, as int16 (madd, mlal: off = -zx_loop) or as
     bytes of the signedness its dot product wants (flip: x ^ 0x80, off = +-128)."""
-    if q.flavour != "dot":
+    if q.flavour not in ("dot", "smull"):
         return -zx_loop, False
     signed = tx == "int8_t"
     flip = signed != q.signed
@@ -143,6 +148,14 @@ def _tile(q: Q8, rows: int, cols: int) -> tuple[int, int]:
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
+def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
+    """The descriptor the im2col GEMM of this layer uses: the ISA's, or its `pairs` flavour where
+    the weights are int8 with no -128 (checked here, at build time)."""
+    if q.pairs is not None and k.params["TW"] in q.pairs.weights and w.size and int(w.min()) > -128:
+        return q.pairs
+    return q
+
+
 def _group_bytes(q: Q8) -> int:
     """Bytes one column of a packed activation panel takes per k-group."""
     return 2 * q.kgroup if q.flavour in ("madd", "mlal") else q.kgroup
@@ -193,7 +206,8 @@ def fit_gemm(k: Kernel, room: int) -> bool:
 
 def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
-    q = get_isa(isa).q8
+    w = _conv_weights(g, k)                                   # [M][K]
+    q = _gemm_q8(get_isa(isa).q8, k, w)
     G = p["G"]
     mg, cg = p["M"] // G, p["C"] // G
     kk = cg * p["KH"] * p["KW"]
@@ -216,12 +230,12 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     nc = min(_round_up(cols, nr), max(nr, (l2 // 2) // (kcg * gb) // nr * nr))
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     off, flip = act_offset(q, p["TX"], zx_loop)
-    w = _conv_weights(g, k)                                   # [M][K]
     wp = np.zeros((G, mp, kgn * kg), np.int64)
     wp[:, :mg, :kk] = w.reshape(G, mg, kk)
     wp = wp.reshape(G, mp // mr, mr, kgn, kg).transpose(0, 1, 3, 2, 4)    # [G][MP/MR][KGN][MR][KG]
     consts = {}
-    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), group_words(wp, q.flavour).reshape(-1))
+    wdat = wp.astype(np.int8) if q.flavour == "smull" else group_words(wp, q.flavour)
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], mg, mp)
     direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0 and (
         p["OH"], p["OW"]) == (p["H"], p["W"])
@@ -231,21 +245,36 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     how = "direct" if direct else "im2col"
-    desc = f"[qconv2d_gemm {isa} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    pairs = " smull" if q.flavour == "smull" else ""
+    desc = f"[qconv2d_gemm {isa}{pairs} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
 
 def igemm_fits(p: dict) -> bool:
-    """The implicit GEMM takes one group and a KH x KW > 1 window (taps unrolled). It is chosen
-    only when forced (TINYDEPLOY_ALGO=qconv2d_igemm): measured on an AVX2 host, the im2col GEMM
-    ran every 3x3 / 7x7 layer of ResNet-50 (uint8) and the MLPerf Tiny int8 models as fast or
-    faster (ResNet-50 151 ms against 273 ms, IC 371 us against 414 us)."""
+    """The implicit GEMM takes one group and a KH x KW > 1 window (taps unrolled)."""
     return p["G"] == 1 and 1 < p["KH"] * p["KW"] <= IGEMM_MAX_TAPS
+
+
+def igemm_preferred(q: Q8, p: dict, force: str) -> bool:
+    """Whether a layer igemm_fits takes the implicit GEMM: where forced (TINYDEPLOY_ALGO=
+    qconv2d_igemm), else where the ISA's descriptor prefers it (Q8.igemm: Cortex-A, by exact
+    instruction counts) and the input has more than one channel (KWS's first layer, 1 channel
+    10x4 stride 2: the im2col GEMM took 189 k instructions on rpi4 against 207 k, 82 k on
+    jetson-orin against 162 k). x86 keeps im2col: measured on an AVX2 host it ran every 3x3 / 7x7
+    layer of ResNet-50 (uint8) and the MLPerf Tiny int8 models as fast or faster (ResNet-50 151 ms
+    against 273 ms, IC 371 us against 414 us). TINYDEPLOY_ALGO=qconv2d_gemm keeps im2col."""
+    if not igemm_fits(p) or force == "qconv2d_gemm":
+        return False
+    return force == "qconv2d_igemm" or (q.igemm and p["C"] > 1)
 
 
 def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
+    w = _conv_weights(g, k)                                             # [M][C * taps]
     q = get_isa(isa).q8
+    pq = _gemm_q8(q, k, w)
+    if pq is not q and -(-p["C"] // pq.kgroup) * pq.kgroup * 4 <= 5 * p["C"]:
+        q = pq                  # SMULL pairs where the channel groups of 16 waste <= 1/4
     kg = q.kgroup
     hp, wp, phases, offs = dw_geometry(p)
     taps = p["KH"] * p["KW"]
@@ -257,25 +286,26 @@ def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> K
     planes = _round_up((cgn - 1) * pls + max(pls, max(offs) + flatp), 16)
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     off, flip = act_offset(q, p["TX"], zx_loop)
-    w = _conv_weights(g, k)                                             # [M][C * taps]
     mp = _round_up(p["M"], mr)
     wc = np.zeros((mp, cgn * kg, taps), np.int64)
     wc[:p["M"], :p["C"]] = w.reshape(p["M"], p["C"], taps)
     # k-group (channel group, tap): [MP/MR][CGN * taps][MR][KG]
     wc = wc.reshape(mp // mr, mr, cgn, kg, taps).transpose(0, 2, 4, 1, 3).reshape(mp // mr, cgn * taps, mr, kg)
     consts = {}
-    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), group_words(wc, q.flavour).reshape(-1))
+    wdat = wc.astype(np.int8) if q.flavour == "smull" else group_words(wc, q.flavour)
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["M"], mp)
     padv = 0
     if q.flavour == "dot":                  # four bytes of the zero point (as the kernel reads x)
         padv = int(np.array([((p["ZX"] % 256) ^ (0x80 if flip else 0)) * 0x01010101], np.uint32).view(np.int32)[0])
-    unit = 2 if q.flavour == "mlal" else 4
+    unit = {"mlal": 2, "smull": 16}.get(q.flavour, 4)          # bytes per plane element
     p.update(algo="qconv2d_igemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=cgn * taps, CGN=cgn, PLS=pls, HP=hp,
              WP=wp, PHASES=phases, OFFS=offs, FLAT=flat, FLATP=flatp, PLANES=planes, MR=mr, NR=nr, MP=mp,
-             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv)
+             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv, PADB=(p["ZX"] % 256) ^ (0x80 if flip else 0))
     scratch = unit * planes + _round_up(p["M"] * flatp, 64)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    desc = f"[qconv2d_igemm {isa} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    pairs = " smull" if q.flavour == "smull" else ""
+    desc = f"[qconv2d_igemm {isa}{pairs} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_igemm", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
                   scratch_dtype="int32")
 
@@ -304,11 +334,15 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     q = get_isa(isa).q8
     hp, wp, phases, offs = dw_geometry(p)
     taps = p["KH"] * p["KW"]
-    lanes = 2 * q.lanes                          # outputs per iteration: two vectors of int32
+    # outputs per iteration: two vectors of int32 (x86), four (neon)
+    lanes = 4 * q.lanes if q.flavour == "mlal" else 2 * q.lanes
     flat = p["OH"] * wp
     span = _round_up(flat, lanes)
     planes = len(phases) * hp * wp
     plane_len = _round_up(max(planes, max(offs) + span), 16)
+    for ph in phases:                 # the plane rows [rlo, rhi) that come from the image
+        ph["rlo"] = min(max(0, -(-(p["PT"] - ph["py"]) // p["SH"])), hp)
+        ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     w = _conv_weights(g, k)                                   # [C][taps]
     consts = {}
@@ -324,9 +358,9 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
-             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, PLANE=plane_len, ZXL=zx_loop)
-    # int16 planes, then the output bytes of the flattened plane
-    scratch = 2 * plane_len + _round_up(span, 64)
+             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop)
+    # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes)
+    scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     desc = f"[qconv2d_dw {isa} {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts, scratch_dtype="int32")
@@ -334,7 +368,8 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
 
 def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
-    q = get_isa(isa).q8
+    w = k.tensor(k.args[1], g).data.astype(np.int64)            # [N][K]
+    q = _gemm_q8(get_isa(isa).q8, k, w)
     m, kk, n = p["M"], p["K"], p["N"]
     kg = q.kgroup
     kgn = -(-kk // kg)
@@ -345,12 +380,11 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
     # whole vectors of columns (mlal: int16 weight registers of 8 columns)
     nrd = min(q.dense, _round_up(n, 8 if q.flavour == "mlal" else q.lanes))
     npad = _round_up(n, nrd)
-    w = k.tensor(k.args[1], g).data.astype(np.int64)            # [N][K]
     wk = np.zeros((npad, kgn * kg), np.int64)
     wk[:n, :kk] = w
     wk = wk.reshape(npad // nrd, nrd, kgn, kg).transpose(0, 2, 1, 3)         # [N/NRD][KGN][NRD][KG]
     consts = {}
-    if q.flavour == "dot":
+    if q.flavour in ("dot", "smull"):
         wdat = wk.astype(np.int8)
     else:                                      # kept in the weight type, widened as loaded
         wdat = wk.astype(np.dtype({"int8_t": np.int8, "uint8_t": np.uint8, "int16_t": np.int16}[p["TW"]]))
@@ -359,9 +393,10 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
     off, flip = act_offset(q, p["TX"], 0)
     p.update(algo="qdense_packed", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, NRD=nrd, NP=npad,
              XOFF=off, FLIP=flip)
-    scratch = 4 * kgn if q.flavour != "mlal" else 2 * kgn
+    scratch = kgn * _group_bytes(q)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    desc = f"[qdense_packed {isa} {nrd} columns] {k.desc}"
+    pairs = " smull" if q.flavour == "smull" else ""
+    desc = f"[qdense_packed {isa}{pairs} {nrd} columns] {k.desc}"
     return Kernel("qdense_packed", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts,
                   scratch_dtype="int32")
 
@@ -376,7 +411,7 @@ def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:
         fam = "qconv2d_dw" if depthwise else "qconv2d_gemm"
         if fam == "qconv2d_gemm":
             isa = q8_isa("qconv2d_igemm", k, target) if force != "ref" else None
-            if isa is not None and force == "qconv2d_igemm" and igemm_fits(p):
+            if isa is not None and igemm_preferred(get_isa(isa).q8, p, force):
                 fam = "qconv2d_igemm"
     elif k.family == "qdense":
         fam = "qdense_packed"

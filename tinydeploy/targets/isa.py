@@ -22,7 +22,11 @@ class Q8:
     steps share one 32-bit lane (2, 4, 1), `lanes` int32 lanes per vector register; `weights` are
     the weight types (QConv's TW) it multiplies, `tiles` its GEMM register tiles (MR channels x NR
     pixels, relative cost) and `dense` the output columns of its fully connected kernel; `signed`:
-    a dot product that takes signed activations (SDOT; vpdpbusd takes them unsigned)."""
+    a dot product that takes signed activations (SDOT; vpdpbusd takes them unsigned); `igemm`:
+    KxK one-group convolutions take the implicit GEMM over padded planes rather than im2col
+    (schedule/q8.py igemm_fits says which); `pairs`: the descriptor of the im2col GEMM for layers
+    whose int8 weights hold no -128 (flavour "smull", Arm SMULL + SMLAL2 + SADALP: two int8
+    products summed in int16, exact because no pair is (-128) x (-128); 16 k values per step)."""
     flavour: str
     kgroup: int
     lanes: int
@@ -33,6 +37,8 @@ class Q8:
     # the fewest columns the im2col GEMM's block is cut to when the arena has less room under its
     # peak (schedule/q8.py fit_gemm); 0: never cut (the L2-sized block stays)
     fit_cols: int = 0
+    igemm: bool = False
+    pairs: "Q8 | None" = None
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,16 @@ _Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (
                                   (8, 16, 1.25)), dense=64)
 _Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
 _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
-_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16)
-_Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True)
+# Cortex-A: the implicit GEMM, by exact instruction counts under qemu-aarch64 (IC int8: rpi4
+# 6.31 -> 4.68 M, jetson-orin 3.14 -> 1.61 M per inference; VWW's first layer 427 -> 226 k and
+# 243 -> 125 k), where no im2col row is gathered and packed per output channel block.
+# SMULL pairs: a 4 x 4 tile of int32x4 partial sums (16 accumulators, 4 + 4 q registers of bytes):
+# 3 instructions per 16 MACs where SMLAL by lane takes 4 per 16 (with its loads 59 per 256
+# against 21 per 64)
+_Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), signed=True)
+_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL)
+_Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
+              igemm=True)
 ISAS = {isa.name: isa for isa in (
     ISA("ref", "portable C99, the fallback of every ISA", tiles=((4, 8, 1.0),), ref_cost=1.5, winograd_lanes=8),
     ISA("avx2", "x86-64 AVX2 + FMA (ymm)", features=("avx2", "fma"), ref_cost=5.0, winograd_lanes=8,
