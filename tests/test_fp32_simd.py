@@ -123,6 +123,11 @@ GEMV = {
     "n130_k19_tail": dict(m=1, k=19, n=130, act="relu6"),
     "m2_bias2d_leaky": dict(m=2, k=40, n=9, bias="2d", act="leaky"),
     "m3_n64": dict(m=3, k=7, n=64),
+    # NEON: 16-vector panels, a partial last panel of 2 and of 3 vectors, the 16-input loop with
+    # groups of four and single inputs after it, fewer than four inputs, no bias under ReLU
+    "n200_k21_relu": dict(m=1, k=21, n=200, act="relu"),
+    "n75_k3_nobias_relu": dict(m=1, k=3, n=75, bias=None, act="relu"),
+    "m2_n10_k48_relu6": dict(m=2, k=48, n=10, act="relu6"),
 }
 GEMV = {k: dict(v, op="gemm") for k, v in GEMV.items()}
 
@@ -221,4 +226,5 @@ def test_no_reference_dense_on_aarch64(tmp_path):
         comp = compile_model(path, boards.get_board(board).make_target(), board=board)
         fams = [k.family for k in comp.kernels if k is not None]
         assert fams and all(f in ("dense_gemv", "dense_packed") for f in fams), fams
-        assert "vfmaq_f32(" in comp.files["td_kernels.c"]
+        src = comp.files["td_kernels.c"]
+        assert "vfmaq_f32(" in src or "fmla %[a0].4s" in src
