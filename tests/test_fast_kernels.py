@@ -295,7 +295,8 @@ NEON_CASES = [(n, forced_algo(n)) for n in
               ["1x1_direct_odd", "7x7_stride2_pad3", "grouped3", "big_k", "smaller_than_tile",
                "dw_3x3_stride2_mult2", "gemm_bias_2d"]]
 NEON_CASES += [("1x1_small_plane_batch2", "conv2d_gemmt")]
-NEON_CASES += [(n, "conv2d_igemm") for n in ["3x3_pad_relu", "3x3_stride2_bn", "asymmetric_same_upper"]]
+NEON_CASES += [(n, "conv2d_igemm") for n in ["3x3_pad_relu", "3x3_stride2_bn", "asymmetric_same_upper",
+                                             "7x7_stride2_pad3"]]
 
 
 @pytest.mark.parametrize("name,algo", NEON_CASES)
