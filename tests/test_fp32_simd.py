@@ -113,6 +113,12 @@ FIRST = {
     "c4_batch2": dict(n=2, c=4, h=7, w=6, m=8),
     "c3_nhwc_shared": dict(c=3, h=8, w=8, m=8, nhwc=True, shared=True),
     "c3_fewer_pixels_than_tile": dict(c=3, h=3, w=3, m=5, pads=(0, 0, 0, 0), s=(2, 2), k=(1, 1)),
+    # NEON, stride 1 and rows of whole vectors: pixels in the lanes (LD2/LD3 of NHWC rows, one load
+    # per NCHW plane), 16-channel blocks with channels past M, the scalar activation pass
+    "c3_nhwc_lanes_two_blocks": dict(c=3, h=10, w=12, m=20, act="relu", nhwc=True),
+    "c2_nhwc_lanes_dilated": dict(c=2, h=11, w=12, m=16, d=(2, 2), pads=(2, 2, 2, 2), act="relu6", nhwc=True),
+    "c1_lanes_5x5_nobias": dict(c=1, h=9, w=8, m=16, k=(5, 5), pads=(2, 2, 2, 2), bias=False),
+    "c4_nchw_lanes_batch2_leaky": dict(n=2, c=4, h=6, w=8, m=8, act="leaky"),
 }
 FIRST = {k: dict(v, op="conv") for k, v in FIRST.items()}
 
