@@ -132,6 +132,9 @@ CONV_CASES = {
     "big_k": dict(c=40, h=6, w=7, m=40),
     "smaller_than_tile": dict(c=2, h=3, w=3, m=3, pads=(0, 0, 0, 0)),
     "conv1d": dict(c=5, w=20, m=9, k=(3,), stride=(1,), pads=(1, 1), dil=(1,)),
+    # implicit GEMM with whole tiles and no padding columns: tiles stored straight into y
+    "1x1_stride2_whole_tiles": dict(c=16, h=16, w=16, m=48, k=(1, 1), stride=(2, 2), pads=(0, 0, 0, 0),
+                                    act="relu"),
 }
 DW_CASES = {
     "dw_3x3_relu6": dict(c=16, h=9, w=7, m=16, group=16, act="relu6"),
@@ -208,7 +211,7 @@ IGEMM_CASES = [n for n in CONV_CASES if n not in ("big_k", "1x1_stride2", "1x1_s
 # micro-kernel, the fallback of every ISA, and avx512 where the CPU has it) on the cases that hit
 # their edges; conv2d_dw is portable C (one variant).
 EDGE_CASES = {"1x1_direct_odd", "3x3_pad_relu", "big_k", "smaller_than_tile", "gemm_7x33x21_relu"}
-IGEMM_EDGE_CASES = {"3x3_pad_relu", "batch2", "7x7_stride2_pad3"}
+IGEMM_EDGE_CASES = {"3x3_pad_relu", "batch2", "7x7_stride2_pad3", "1x1_stride2_whole_tiles"}
 FIRST = "avx2" if "avx2" in HOST_ISAS else "ref"
 OTHERS = [isa for isa in HOST_ISAS if isa != FIRST]
 HOST_PARAMS = ([(n, "conv2d_dw", "ref") for n in DW_CASES]
@@ -310,7 +313,8 @@ NEON_CASES = [(n, forced_algo(n)) for n in
               ["1x1_direct_odd", "7x7_stride2_pad3", "grouped3", "big_k", "smaller_than_tile",
                "dw_3x3_stride2_mult2", "gemm_bias_2d"]]
 NEON_CASES += [("1x1_small_plane_batch2", "conv2d_gemmt")]
-NEON_CASES += [(n, "conv2d_igemm") for n in ["3x3_pad_relu", "3x3_stride2_bn", "asymmetric_same_upper"]]
+NEON_CASES += [(n, "conv2d_igemm") for n in ["3x3_pad_relu", "3x3_stride2_bn", "asymmetric_same_upper",
+                                             "7x7_stride2_pad3", "1x1_stride2_whole_tiles"]]
 
 
 @pytest.mark.parametrize("name,algo", NEON_CASES)

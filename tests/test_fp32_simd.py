@@ -120,6 +120,12 @@ FIRST = {
     # output rows of whole tiles (OW % 8 == 0): one origin per tile, the pixels at fixed offsets
     "c3_nhwc_s2_rows": dict(c=3, h=33, w=32, m=8, s=(2, 2), pads=(0, 0, 1, 1), act="relu", nhwc=True),
     "c1_rows_batch2_odd_m": dict(n=2, c=1, h=5, w=16, m=12, act="relu6"),
+    # NEON, stride 1 and rows of whole vectors: pixels in the lanes (LD2/LD3 of NHWC rows, one load
+    # per NCHW plane), 16-channel blocks with channels past M, the scalar activation pass
+    "c3_nhwc_lanes_two_blocks": dict(c=3, h=10, w=12, m=20, act="relu", nhwc=True),
+    "c2_nhwc_lanes_dilated": dict(c=2, h=11, w=12, m=16, d=(2, 2), pads=(2, 2, 2, 2), act="relu6", nhwc=True),
+    "c1_lanes_5x5_nobias": dict(c=1, h=9, w=8, m=16, k=(5, 5), pads=(2, 2, 2, 2), bias=False),
+    "c4_nchw_lanes_batch2_leaky": dict(n=2, c=4, h=6, w=8, m=8, act="leaky"),
 }
 FIRST = {k: dict(v, op="conv") for k, v in FIRST.items()}
 
@@ -130,6 +136,11 @@ GEMV = {
     "n130_k19_tail": dict(m=1, k=19, n=130, act="relu6"),
     "m2_bias2d_leaky": dict(m=2, k=40, n=9, bias="2d", act="leaky"),
     "m3_n64": dict(m=3, k=7, n=64),
+    # NEON: 16-vector panels, a partial last panel of 2 and of 3 vectors, the 16-input loop with
+    # groups of four and single inputs after it, fewer than four inputs, no bias under ReLU
+    "n200_k21_relu": dict(m=1, k=21, n=200, act="relu"),
+    "n75_k3_nobias_relu": dict(m=1, k=3, n=75, bias=None, act="relu"),
+    "m2_n10_k48_relu6": dict(m=2, k=48, n=10, act="relu6"),
 }
 GEMV = {k: dict(v, op="gemm") for k, v in GEMV.items()}
 
@@ -228,4 +239,5 @@ def test_no_reference_dense_on_aarch64(tmp_path):
         comp = compile_model(path, boards.get_board(board).make_target(), board=board)
         fams = [k.family for k in comp.kernels if k is not None]
         assert fams and all(f in ("dense_gemv", "dense_packed") for f in fams), fams
-        assert "vfmaq_f32(" in comp.files["td_kernels.c"]
+        src = comp.files["td_kernels.c"]
+        assert "vfmaq_f32(" in src or "fmla %[a0].4s" in src

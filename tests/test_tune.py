@@ -97,6 +97,33 @@ def test_tune_resumes_and_select_uses_the_entries(model, tmp_path, monkeypatch):
     assert not any("tuned" in k.desc for k in c.kernels if k)
 
 
+def test_tune_emulated_ranks_by_instructions(model, tmp_path, monkeypatch):
+    """--emulate: a Linux board's candidates counted under qemu-aarch64, the fewest instructions kept
+    (the cost model's choice on a tie), and the database says it was ranked so."""
+    from util import require
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    monkeypatch.delenv("TINYDEPLOY_TUNING", raising=False)
+    monkeypatch.setattr(tune, "TILES_PER_ALGO", 1)
+    monkeypatch.setattr(tune, "BLOCKING_SCALES", ())
+    db_path = tmp_path / "db.json"
+    lines = []
+    db = tune.tune([str(model)], "rpi4", str(db_path), jobs=2, log=lines.append, emulate=True)
+    on_disk = json.loads(db_path.read_text())
+    assert on_disk == db and on_disk["target"] == "aarch64-cortex-a72-neon" and on_disk["board"] == "rpi4"
+    assert "no board" in on_disk["measured"] and "instructions" in on_disk["measured"]
+    assert len(on_disk["layers"]) == 2
+    for e in on_disk["layers"].values():
+        assert tuning.valid_entry(e) and "us" not in e and e["candidates"] >= 2
+        assert 0 < e["instructions"] <= e["cost_model"]["instructions"]
+        assert e["speedup"] == round(e["cost_model"]["instructions"] / e["instructions"], 3)
+    assert sum("instructions, " in ln and "candidates, best" in ln for ln in lines) == 2
+    with pytest.raises(TinydeployError, match="this machine"):
+        tune.tune([str(model)], "host", str(db_path), emulate=True)
+    with pytest.raises(TinydeployError, match="not both"):
+        tune.tune([str(model)], "rpi4", str(db_path), emulate=True, ssh="pi@example")
+
+
 @pytest.mark.parametrize("content", ["{not json", '{"target": "host-avx512"}', "[1, 2]",
                                      '{"target": "some-other-cpu", "layers": {}}'])
 def test_corrupt_database_is_ignored_with_a_note(model, tmp_path, monkeypatch, content):
@@ -138,7 +165,7 @@ def test_bad_input(model, tmp_path, capsys, monkeypatch):
     code, err = run("tune", "--board", "mps2-an386", str(model))
     assert code == 2 and "nothing to tune" in err
     code, err = run("tune", "--board", "rpi4", str(model))
-    assert code == 2 and "--ssh" in err
+    assert code == 2 and "--ssh" in err and "--emulate" in err
     monkeypatch.setenv("TINYDEPLOY_ALGO", "ref")
     code, err = run("tune", str(model), "--db", str(tmp_path / "db.json"))
     assert code == 2 and "unset" in err

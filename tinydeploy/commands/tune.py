@@ -20,6 +20,9 @@ def add_parser(sub) -> None:
     p.add_argument("--ssh", metavar="USER@HOST", help="measure on this Linux board over ssh")
     p.add_argument("--port", type=int, help="ssh port")
     p.add_argument("--identity", help="ssh private key")
+    p.add_argument("--emulate", action="store_true",
+                   help="a Linux board (rpi4, jetson-*) with no board at hand: rank the candidates by their exact "
+                        "instructions per inference under user-mode QEMU (not by time)")
     labgrid_place(p, "instead of --ssh: measure on")
     max_weights(p)
 
@@ -28,14 +31,15 @@ def main(args, ctx: Context) -> int:
     from tinydeploy.schedule.tuner import tune
     if not args.lg_place:
         tune(args.models, args.board or "host", args.db, args.jobs, args.resume, args.seconds, args.ssh, args.port,
-             args.identity, max_weights_bytes=ctx.max_weights_bytes)
+             args.identity, max_weights_bytes=ctx.max_weights_bytes, emulate=args.emulate)
         return 0
     from tinydeploy import flow
     from tinydeploy.errors import TinydeployError
     from tinydeploy.runners import farm
     from tinydeploy.targets import boards
-    if args.ssh:
-        raise TinydeployError("--lg-place and --ssh both name the board to measure on: give one")
+    if args.ssh or args.emulate:
+        raise TinydeployError(f"--lg-place and {'--ssh' if args.ssh else '--emulate'} both say where to measure: "
+                              "give one")
     with farm.hold(args.lg_place, None, args.lg_coordinator, args.lg_wait, say=flow.progress) as place:
         board = place_board(place, args.board)
         # a Linux board through the place's NetworkService (ssh); anything else tune() refuses itself

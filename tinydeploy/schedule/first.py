@@ -4,7 +4,9 @@ its packing or its padded planes. The kernel (conv2d_first_f32.c.j2: avx2, avx51
 zero-padded copy of the input straight from the micro-kernel: PX output pixels x NR output
 channels per tile, a pixel's input value broadcast against a vector of NR channels' weights
 (packed at build time [M/NR][KH][KW][C][NR]), and the tile transposed in registers into the NCHW
-output planes.
+output planes. NEON at stride 1, when the output rows are whole vectors: the other way round, 4
+pixels of a row in the lanes x 16 channels, each channel's 4 inputs multiplied by its weights by
+element (no broadcasts, no transpose; LANE_PIXELS, LANE_CHANNELS).
 
 The input's layout change is folded in where the model has one: MLPerf Tiny's image models start
 with Transpose(NHWC -> NCHW) of the graph input. When this layer is that Transpose's only reader,
@@ -24,6 +26,8 @@ from tinydeploy.targets.isa import get_isa
 MAX_CHANNELS = 4        # input channels of a first layer
 MAX_K = 196             # the reduction is unrolled per kernel row: at most 4 channels x 7x7
 PIXELS = 8              # output pixels per tile (the transpose of a tile is 8 x 8)
+LANE_PIXELS = 4         # NEON at stride 1: the pixels of a tile are the lanes (one row, no transpose)
+LANE_CHANNELS = 16      # ... and its 16 channels 16 vectors of sums
 NCHW_TO_NHWC = [0, 3, 1, 2]
 
 
@@ -66,6 +70,10 @@ def select_first(g: ir.Graph, step: int, kern: Kernel, target) -> Kernel:
     consts = dict(kern.consts)
     isa = _isa("conv2d_first", target)
     vw, nv = get_isa(isa).lanes, _channel_vectors(isa)
+    # NEON, stride 1, rows of whole vectors: 4 pixels of a row in the lanes x 16 channels
+    lanes = isa == "neon" and p["SW"] == 1 and p["OW"] % LANE_PIXELS == 0
+    if lanes:
+        nv = LANE_CHANNELS // vw
     nr = vw * nv
     m, c, kh, kw = p["M"], p["C"], p["KH"], p["KW"]
     mp = _round_up(m, nr)
@@ -87,10 +95,12 @@ def select_first(g: ir.Graph, step: int, kern: Kernel, target) -> Kernel:
     wpd = (p["OW"] - 1) * p["SW"] + (kw - 1) * p["DW"] + 1
     nhwc = fold is not None
     rs, cs, cc = (wpd * c, c, 1) if nhwc else (wpd, 1, hpd * wpd)
-    p.update(algo="conv2d_first", isa=isa, VW=vw, NV=nv, NR=nr, MP=mp, PX=PIXELS, NHWC=nhwc, HPD=hpd, WPD=wpd,
+    p.update(algo="conv2d_first", isa=isa, VW=vw, NV=nv, NR=nr, MP=mp, PX=LANE_PIXELS if lanes else PIXELS,
+             LANES=lanes, NHWC=nhwc, HPD=hpd, WPD=wpd,
              RS=rs, CS=cs, CC=cc, FOLDED=fold[0] if fold else None,
              OFFS=[kx * p["DW"] * cs + ch * cc for kx in range(kw) for ch in range(c)])
-    desc = (f"[conv2d_first {isa} {PIXELS} pixels x {nr} channels{', NHWC input: transpose folded' if nhwc else ''}] "
+    desc = (f"[conv2d_first {isa} {p['PX']} pixels{' in lanes' if lanes else ''} x {nr} channels"
+            f"{', NHWC input: transpose folded' if nhwc else ''}] "
             f"{kern.desc}")
     return Kernel("conv2d_first", kern.dtype, p, args, 4 * c * hpd * wpd, desc, consts=consts)   # one image at a time
 

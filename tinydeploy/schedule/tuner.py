@@ -15,8 +15,11 @@ machine does not pick the winner).
 
 Where it measures (tinydeploy.runners.select_runner): the host natively; a Linux board over ssh
 (--ssh user@host, runners.ssh.SshRunner: each candidate's binary is copied over once and run
-there). User-mode QEMU says nothing about speed, and Cortex-M boards have nothing to choose between (their fp32 layers keep the reference kernels,
-their int8 convolutions have one kernel each), so both are refused.
+there). With --emulate, where no board is at hand, a Linux board's candidates run under user-mode
+QEMU and are ranked by their exact instructions per inference (runners/icount.py), which QEMU
+counts but says nothing about time: the database records that it was tuned so ("measured",
+"instructions" per entry instead of "us"). Cortex-M boards have nothing to choose between (their fp32 layers keep the reference kernels,
+their int8 convolutions have one kernel each), so they are refused.
 
 The database is rewritten atomically after every layer (temporary file + os.replace): an
 interrupted run resumes where it stopped, skipping the layers already measured (--no-resume
@@ -269,8 +272,9 @@ def write_db(path: Path, db: dict) -> None:
 
 def tune(models: list[str], board_id: str = "host", db_path: str | None = None, jobs: int | None = None,
          resume: bool = True, seconds: float = 0.2, ssh: str | None = None, port: int | None = None,
-         identity: str | None = None, log=flow.progress, max_weights_bytes=None) -> dict:
-    """Tune every distinct fp32 conv/dense layer of `models` for a board; returns the database."""
+         identity: str | None = None, log=flow.progress, max_weights_bytes=None, emulate: bool = False) -> dict:
+    """Tune every distinct fp32 conv/dense layer of `models` for a board; returns the database.
+    `emulate`: a Linux board's candidates counted under user-mode QEMU (instructions, not time)."""
     board = boards.get_board(board_id)
     if board.is_mcu:
         raise TinydeployError(f"{board_id} is a microcontroller: nothing to tune (each layer has one register-blocked "
@@ -278,9 +282,14 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
                               "instruction counts with `tinydeploy bench --board mps2-an386`, or tune a Linux board")
     if os.environ.get("TINYDEPLOY_ALGO", "auto").strip() not in ("", "auto") or os.environ.get("TINYDEPLOY_TILE"):
         raise TinydeployError("TINYDEPLOY_ALGO / TINYDEPLOY_TILE force every layer's kernel; unset them to tune")
-    if not board.runs_here and not ssh:
-        raise TinydeployError(f"tuning {board_id} measures on the board: pass --ssh user@host (QEMU says nothing "
-                              "about speed)")
+    if emulate and (ssh or not board.is_linux or board.runs_here):
+        raise TinydeployError("--emulate counts a Linux board's candidates under user-mode QEMU here: "
+                              + ("give --ssh or --emulate, not both" if ssh else
+                                 f"{board_id} is this machine (tune it without --emulate)" if board.runs_here else
+                                 f"{board_id} is not a Linux board"))
+    if not board.runs_here and not ssh and not emulate:
+        raise TinydeployError(f"tuning {board_id} measures on the board: pass --ssh user@host, or --emulate to rank "
+                              "the candidates by their instructions under QEMU (which says nothing about time)")
     if seconds <= 0 or seconds > 60:
         raise TinydeployError("--seconds must be in (0, 60]")
     target = board.make_target()
@@ -306,7 +315,8 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
     if ssh:
         from tinydeploy.runners.ssh import Remote
         remote = Remote(ssh, port, identity)
-    runner = runners.select_runner(board, remote=remote, timeout=600)
+    runner = runners.select_runner(board, emulate=emulate, remote=remote, timeout=600)
+    counted = emulate
     work = Path(tempfile.mkdtemp(prefix="tinydeploy-tune-"))
     jobs = max(1, jobs or os.cpu_count() or 1)
     t_start = time.perf_counter()
@@ -314,20 +324,24 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
         with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
             for i, sig in enumerate(todo, 1):
                 kern, used_by = layers[sig]
-                entry = _tune_layer(sig, kern, target, isa, board_id, runner, pool, work / f"l{i}", seconds, log)
+                entry = _tune_layer(sig, kern, target, isa, board_id, runner, pool, work / f"l{i}", seconds, log,
+                                    counted)
                 prefix = f"[{i}/{len(todo)}] {sig}"
                 if entry is None:
                     log(f"{prefix}: no candidate built and matched onnxruntime; left to the cost model")
                     continue
                 entry["models"] = sorted(set(used_by))
                 db["layers"][sig] = entry
-                db.update(board=board_id, cpu=_cpu_name() if not ssh else "", measured=runner.where)
+                db.update(board=board_id, cpu=_cpu_name() if not ssh and not counted else "",
+                          measured=(f"instructions per inference {runner.where}, no board: ranked by "
+                                    "instruction counts, not time") if counted else runner.where)
                 write_db(path, db)
                 cm = entry["cost_model"]
-                versus = (f"{entry['speedup']:.2f}x the cost model's {cm['kernel']} ({cm['us']:.1f} us)" if cm
-                          else "the cost model's choice FAILED (a tinydeploy bug, please report it)")
+                unit, fmt = ("instructions", "{:,}") if counted else ("us", "{:.1f}")
+                versus = (f"{entry['speedup']:.2f}x the cost model's {cm['kernel']} ({fmt.format(cm[unit])} {unit})"
+                          if cm else "the cost model's choice FAILED (a tinydeploy bug, please report it)")
                 n = entry["candidates"]
-                log(f"{prefix}: {n} candidate{'s' * (n != 1)}, best {entry['kernel']} {entry['us']:.1f} us, "
+                log(f"{prefix}: {n} candidate{'s' * (n != 1)}, best {entry['kernel']} {fmt.format(entry[unit])} {unit}, "
                     f"{versus}{'; %d failed' % entry['failed'] if entry['failed'] else ''}")
     finally:
         runner.close()
@@ -336,8 +350,10 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
     return db
 
 
-def _tune_layer(sig: str, kern, target, isa: str, board_id: str, runner, pool, work: Path, seconds: float, log):
-    """Build, check and time the candidates of one layer; the database entry, or None."""
+def _tune_layer(sig: str, kern, target, isa: str, board_id: str, runner, pool, work: Path, seconds: float, log,
+                counted: bool = False):
+    """Build, check and time (`counted`: count the instructions of) the candidates of one layer;
+    the database entry, or None."""
     import onnx
     work.mkdir(parents=True)
     model = work / "layer.onnx"
@@ -381,6 +397,8 @@ def _tune_layer(sig: str, kern, target, isa: str, board_id: str, runner, pool, w
             ok.append(c)
     if not ok:
         return None
+    if counted:
+        return _count_layer(ok, runner, [feeds["x"]], out_specs, work, failed)
     def time_us(c) -> float:
         return time_runs(runner, c["exe"], [feeds["x"]], out_specs, seconds, probe=3)[0] * 1000.0
     # Interleaved rounds, each candidate keeping its fastest: on a shared machine the load changes
@@ -401,6 +419,20 @@ def _tune_layer(sig: str, kern, target, isa: str, board_id: str, runner, pool, w
     return {**best["choice"], "kernel": best["desc"], "us": round(best["us"], 3),
             "cost_model": base and {**base["choice"], "kernel": base["desc"], "us": round(base["us"], 3)},
             "speedup": base and round(base["us"] / best["us"], 3), "candidates": len(ok), "failed": failed}
+
+
+def _count_layer(ok: list, runner, feeds: list, out_specs: list, work: Path, failed: int) -> dict:
+    """The entry of one layer ranked by exact instructions per inference (one count each: they do
+    not vary); the cost model's choice is kept unless another one executes fewer."""
+    for c in ok:
+        c["instructions"] = runner.count(c["exe"], feeds, out_specs)[1].instructions
+    base = next((c for c in ok if c["base"]), None)
+    best = min(ok, key=lambda c: (c["instructions"], not c["base"]))
+    shutil.rmtree(work, ignore_errors=True)
+    return {**best["choice"], "kernel": best["desc"], "instructions": best["instructions"],
+            "cost_model": base and {**base["choice"], "kernel": base["desc"], "instructions": base["instructions"]},
+            "speedup": base and round(base["instructions"] / best["instructions"], 3), "candidates": len(ok),
+            "failed": failed}
 
 
 def one_layer_shape(kern) -> list[int]:

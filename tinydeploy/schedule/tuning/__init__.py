@@ -6,6 +6,9 @@ AVX2-only host never reads AVX-512 measurements), written by `tinydeploy tune`:
   {"format": 1, "target": "host-avx512", "cpu": "...",
    "layers": {"<layer signature>": {"algo": "conv2d_igemm", "tile": [8, 32], "blocking": null,
                                     "us": 12.5, "cost_model": {"algo": ..., "us": 20.1}, ...}}}
+Boards tuned without the board (`tinydeploy tune --emulate`: the Cortex-A targets under user-mode
+QEMU) rank candidates by exact instructions per inference: their entries carry "instructions"
+where the timed ones carry "us", and "measured" says so.
 A layer signature is a readable string of everything that decides the kernel (layer_signature).
 "algo", "tile" ([MR, NR] or null) and "blocking" ([kc, mc, nc] or null) are what select uses;
 the rest documents the measurement ("cost_model": what the cost model chose when it was tuned,
