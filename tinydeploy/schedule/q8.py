@@ -156,6 +156,11 @@ def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
     return q
 
 
+def _tag(q: Q8) -> str:
+    """What a kernel's description adds for a layer on the ISA's SMULL-pairs flavour."""
+    return " smull" if q.flavour == "smull" else ""
+
+
 def _group_bytes(q: Q8) -> int:
     """Bytes one column of a packed activation panel takes per k-group."""
     return 2 * q.kgroup if q.flavour in ("madd", "mlal") else q.kgroup
@@ -176,18 +181,18 @@ def fit_gemm(k: Kernel, room: int) -> bool:
     Q8.fit_cols (or the layer's columns); fit_gemm(k, 0) leaves it at that floor, which sets the
     peak. Where the hole under the peak is smaller than the floor needs (the activations around
     it leave it fragmented), the block is cut below the floor to fill it (down to one NR panel)
-    rather than raise the arena. The kernel
-    packs and multiplies block by block, so the results do not change, only how many columns
-    wait in scratch. Threaded layers, and ISAs without a measured floor, keep their blocks (False)."""
+    rather than raise the arena. The kernel packs and multiplies block by block, so the results do
+    not change, only how many columns wait in scratch. Threaded layers, and ISAs without a measured floor, keep their blocks (False)."""
     p = k.params
-    if k.family != "qconv2d_gemm" or p.get("THREADS", 1) > 1 or not get_isa(p["q8_isa"]).q8.fit_cols:
+    floor = get_isa(p["q8_isa"]).q8.fit_cols if k.family == "qconv2d_gemm" else 0
+    if not floor or p.get("THREADS", 1) > 1:
         return False
     full = p["NC_MAX"]
     nr = p["NR"]
 
     def words(nc: int) -> int:
         return gemm_scratch_words(dict(p, NC=nc))
-    low = min(full, _round_up(get_isa(p["q8_isa"]).q8.fit_cols, nr))
+    low = min(full, _round_up(floor, nr))
     if room and 4 * words(low) > room:
         low = nr        # a hole under the peak smaller than the floor (fragmentation): fill it
     lo, hi = low // nr, full // nr            # in NR panels; the scratch grows with NC
@@ -245,8 +250,7 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     how = "direct" if direct else "im2col"
-    pairs = " smull" if q.flavour == "smull" else ""
-    desc = f"[qconv2d_gemm {isa}{pairs} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
 
@@ -304,8 +308,7 @@ def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> K
              XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv, PADB=(p["ZX"] % 256) ^ (0x80 if flip else 0))
     scratch = unit * planes + _round_up(p["M"] * flatp, 64)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    pairs = " smull" if q.flavour == "smull" else ""
-    desc = f"[qconv2d_igemm {isa}{pairs} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    desc = f"[qconv2d_igemm {isa}{_tag(q)} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_igemm", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
                   scratch_dtype="int32")
 
@@ -395,8 +398,7 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
              XOFF=off, FLIP=flip)
     scratch = kgn * _group_bytes(q)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    pairs = " smull" if q.flavour == "smull" else ""
-    desc = f"[qdense_packed {isa}{pairs} {nrd} columns] {k.desc}"
+    desc = f"[qdense_packed {isa}{_tag(q)} {nrd} columns] {k.desc}"
     return Kernel("qdense_packed", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts,
                   scratch_dtype="int32")
 

@@ -316,7 +316,6 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
         from tinydeploy.runners.ssh import Remote
         remote = Remote(ssh, port, identity)
     runner = runners.select_runner(board, emulate=emulate, remote=remote, timeout=600)
-    counted = emulate
     work = Path(tempfile.mkdtemp(prefix="tinydeploy-tune-"))
     jobs = max(1, jobs or os.cpu_count() or 1)
     t_start = time.perf_counter()
@@ -325,19 +324,19 @@ def tune(models: list[str], board_id: str = "host", db_path: str | None = None, 
             for i, sig in enumerate(todo, 1):
                 kern, used_by = layers[sig]
                 entry = _tune_layer(sig, kern, target, isa, board_id, runner, pool, work / f"l{i}", seconds, log,
-                                    counted)
+                                    emulate)
                 prefix = f"[{i}/{len(todo)}] {sig}"
                 if entry is None:
                     log(f"{prefix}: no candidate built and matched onnxruntime; left to the cost model")
                     continue
                 entry["models"] = sorted(set(used_by))
                 db["layers"][sig] = entry
-                db.update(board=board_id, cpu=_cpu_name() if not ssh and not counted else "",
+                db.update(board=board_id, cpu=_cpu_name() if not ssh and not emulate else "",
                           measured=(f"instructions per inference {runner.where}, no board: ranked by "
-                                    "instruction counts, not time") if counted else runner.where)
+                                    "instruction counts, not time") if emulate else runner.where)
                 write_db(path, db)
                 cm = entry["cost_model"]
-                unit, fmt = ("instructions", "{:,}") if counted else ("us", "{:.1f}")
+                unit, fmt = ("instructions", "{:,}") if emulate else ("us", "{:.1f}")
                 versus = (f"{entry['speedup']:.2f}x the cost model's {cm['kernel']} ({fmt.format(cm[unit])} {unit})"
                           if cm else "the cost model's choice FAILED (a tinydeploy bug, please report it)")
                 n = entry["candidates"]
