@@ -460,11 +460,17 @@ def test_mlperf_int8(name, tmp_path, monkeypatch):
     assert_arena_tight(path, res["memory"])
     if name in ("ic_resnet8_int8.onnx", "vww_mobilenetv1_int8.onnx"):
         # the 8-bit GEMM's column blocks are cut to the room under the peak (q8.fit_gemm; IC
-        # 308,992 -> 106,752 B, VWW 179,712 -> 57,344 B on AVX2), and the cut blocks, tails
-        # included, give the same bits (checked above and below)
+        # 308,992 -> 97,792 B, VWW 179,712 -> 57,344 B on AVX2), and the cut blocks, tails
+        # included, give the same bits (checked above and below). The plan is made for an AVX2
+        # host whatever this CPU is (the ISA whose floor, Q8.fit_cols, was measured; AVX-512 and
+        # VNNI keep their blocks), so the verdict does not depend on the CPU.
+        import dataclasses
+        from tinydeploy import targets
         from tinydeploy.pipeline import compile_model
         from tinydeploy.targets.boards import get_board
-        c = compile_model(path, get_board("host").make_target(), board="host")
+        with monkeypatch.context() as mp:
+            mp.setitem(targets.TARGETS, "host", lambda: dataclasses.replace(targets.host(), isas=["avx2"]))
+            c = compile_model(path, get_board("host").make_target(), board="host")
         cut = [k.params for k in c.kernels if k is not None and k.family == "qconv2d_gemm"
                and k.params["NC"] < k.params["NC_MAX"]]
         assert cut and all(p["NC"] % p["NR"] == 0 for p in cut) and any(p["P"] % p["NC"] for p in cut), cut
