@@ -264,6 +264,11 @@ POOLS = {
     "avg-4x4-s3": ("AveragePool", dict(kernel_shape=[4, 4], strides=[3, 3])),
     "max-2x2": ("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2])),
     "max-3x3-pad": ("MaxPool", dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),
+    # ResNet's stem pool, and a dilated window with uneven pads: interior windows and clipped edges
+    "max-3x3-s2-pad": ("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "max-3x2-dil2": ("MaxPool", dict(kernel_shape=[3, 2], strides=[1, 2], dilations=[2, 2], pads=[2, 0, 1, 1])),
+    # a window as large as the image: the whole-plane sum (as a global average)
+    "avg-whole": ("AveragePool", dict(kernel_shape=[12, 12])),
     "global-avg": ("GlobalAveragePool", {}),
     "global-max": ("GlobalMaxPool", {}),
 }

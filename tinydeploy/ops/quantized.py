@@ -135,6 +135,24 @@ def avg_float_params(q: dict, x_dtype, window: int) -> dict:
     return {"DQ": dq, "YS": c_float(ys), "R": c_float(r), "WINDOW": window}
 
 
+POOL_ROW_MAX = 1024     # bytes of stack the 8-bit max pooling may take for one input row
+
+
+def _interior(p: dict) -> dict:
+    """The output rows [OY_LO, OY_HI) and columns [OX_LO, OX_HI) whose pooling window lies
+    wholly inside the input (no clipping); FAST where there are any and a row of the input fits
+    the kernel's stack buffer (POOL_ROW_MAX bytes: the maximum over the window's rows is kept
+    for one output row; ResNet's stem pool needs 112)."""
+    def span(o, s, d, k, pad, n):
+        lo = min(-(-pad // s), o)
+        hi = max(min(o, (n - 1 - (k - 1) * d + pad) // s + 1), lo)
+        return lo, hi
+    oy = span(p["OH"], p["SH"], p["DH"], p["KH"], p["PT"], p["H"])
+    ox = span(p["OW"], p["SW"], p["DW"], p["KW"], p["PL"], p["W"])
+    return {"OY_LO": oy[0], "OY_HI": oy[1], "OX_LO": ox[0], "OX_HI": ox[1],
+            "FAST": oy[1] > oy[0] and ox[1] > ox[0] and p["W"] <= POOL_ROW_MAX}
+
+
 def _qpool(node: ir.Node, g: ir.Graph) -> Kernel:
     p = pool_geometry(node, g)
     q = node.attrs["_q"]
@@ -149,6 +167,7 @@ def _qpool(node: ir.Node, g: ir.Graph) -> Kernel:
             (p["PT"], p["PL"], p["PB"], p["PR"]))
     else:
         p.update(M=q["m"], S=q["s"], identity=q["identity"], QMIN=int(np.iinfo(g.t(node.inputs[0]).dtype).min))
+        p.update(_interior(p))          # the max kernel's unclipped windows
     desc = (f"{mode} {p['KH']}x{p['KW']} stride {p['SH']}x{p['SW']}: "
             f"{p['NC']}x{p['H']}x{p['W']} -> {p['OH']}x{p['OW']}")
     return Kernel("qpool2d", dtype_tag(g.t(node.inputs[0]).dtype), p, [node.inputs[0], node.outputs[0]], desc=desc)
