@@ -53,6 +53,7 @@ from tinydeploy import ir
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
 from tinydeploy.ops.registry import new_const, scratch_arg
+from tinydeploy.schedule import q8wino
 from tinydeploy.schedule.cost import IGEMM_MAX_TAPS, _round_up, ranked_tiles
 from tinydeploy.targets.isa import Q8, get_isa
 
@@ -415,6 +416,10 @@ def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:
             isa = q8_isa("qconv2d_igemm", k, target) if force != "ref" else None
             if isa is not None and igemm_preferred(get_isa(isa).q8, p, force):
                 fam = "qconv2d_igemm"
+            if isa is not None and q8wino.preferred(p, _conv_weights(g, k), k.tensor(k.args[2], g).data, isa,
+                                                     k.dtype, force):
+                return q8wino.select(g, step, k, target, isa, _conv_weights(g, k), requant_scales(
+                    k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data))
     elif k.family == "qdense":
         fam = "qdense_packed"
     isa = q8_isa(fam, k, target) if fam and force != "ref" else None

@@ -39,6 +39,9 @@ class Q8:
     fit_cols: int = 0
     igemm: bool = False
     pairs: "Q8 | None" = None
+    # 3x3 stride-1 one-group layers take the exact integer Winograd F(2x2, 3x3) (qconv2d_winograd,
+    # schedule/q8wino.py) where the weights prove it exact
+    winograd: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
 # 3 instructions per 16 MACs where SMLAL by lane takes 4 per 16 (with its loads 59 per 256
 # against 21 per 64)
 _Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), signed=True)
-_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL)
+_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL,
+               winograd=True)
 _Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
               igemm=True)
 ISAS = {isa.name: isa for isa in (

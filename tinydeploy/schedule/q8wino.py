@@ -1,0 +1,141 @@
+"""8-bit 3x3 stride-1 convolutions as an exact integer Winograd F(2x2, 3x3) (qconv2d_winograd,
+template firmware_templates/kernels/qconv2d_winograd.c.j2), where the ISA's 8-bit descriptor asks
+for it (targets/isa.py Q8.winograd: Cortex-A72's SMLAL by lane) and the layer's weights prove it
+exact. schedule/q8.py select_q8 calls `preferred` and `select`.
+
+Why it is exact. With G' = 2G (integer entries: [[2,0,0],[1,1,1],[1,-1,1],[0,0,2]]), B^T and A^T of
+Lavin and Gray's F(2x2, 3x3):
+  U = G' g G'^T         per output and input channel, at build time: |U| <= 9 max|g| (int16)
+  V = B^T d B           per 4x4 input tile, d = x - zx (padded taps 0): |V| <= 4 * 255 (int16)
+  M = sum over c of U (.) V      int32 (SMLAL by lane: int16 x int16 widened, wrapping adds)
+  Y = A^T M A = 4 * S   S = the reference's sum of (x - zx) w over the 3x3 window, no bias
+Every step is +, -, x in the ring of int32, so the wrapped Y equals 4 S modulo 2^32; S is
+recovered exactly by an arithmetic shift right by 2 whenever |S| < 2^29, which is proven here per
+layer from the weights (sum |w| over a channel's taps times the largest |x - zx|, plus |bias|,
+below 2^29) or the algorithm is refused. The bias (with the zero point's fold undone: the kernel
+always subtracts zx) is added after the shift, and the requantisation is the reference's float32
+one (docs/quantization.md), so the outputs equal the reference kernel's bit for bit.
+
+Layout (per image): tile rows are taken RB at a time (a block: its transformed input, 16 x CP x TV
+int16, about the size of L1); the block's rows of the input, minus zx, go to zero-padded int16
+planes (C x PR x WP), their transform to V [16][CP][TV] (tiles of the block flattened, row after
+row, in the vector lanes), then per 8 output channels and 8 tiles the 16 GEMMs [8][CP] x [CP][8]
+(U packed at build time [16][MP/8][CP][8]) into a small int32 buffer, the output transform, bias
+and requantisation on it, bytes into two staging rows per tile row, copied to the output.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinydeploy.codegen import kernels as kreg
+from tinydeploy.ops import Kernel
+from tinydeploy.ops.registry import new_const, scratch_arg
+from tinydeploy.schedule.cost import _round_up
+from tinydeploy.targets.isa import get_isa
+
+G2 = np.array([[2, 0, 0], [1, 1, 1], [1, -1, 1], [0, 0, 2]], np.int64)       # G' = 2 G
+BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.int64)
+AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.int64)
+MR, NR = 8, 8               # GEMM register tile: 8 output channels x 8 tiles (16 int32x4)
+CSTEP = 4                   # input channels per k step (the packed U of 4 channels: one load)
+ACC_BOUND = 2 ** 29         # |S| below it: 4 S fits int32, S = (4 S) >> 2
+
+
+def _xmax(p: dict) -> int:
+    lo, hi = (-128, 127) if p["TX"] == "int8_t" else (0, 255)
+    return max(abs(lo - p["ZX"]), abs(hi - p["ZX"]))
+
+
+def fits(p: dict) -> bool:
+    """The layer's geometry: one group, 3x3, stride 1, no dilation."""
+    return (p["G"] == 1 and p["KH"] == p["KW"] == 3 and p["SH"] == p["SW"] == 1
+            and p["DH"] == p["DW"] == 1)
+
+
+def exact_for(p: dict, w: np.ndarray, bias: np.ndarray) -> bool:
+    """Whether the weights prove the algorithm exact (see the module docstring): |U| fits int16
+    and, per output channel, sum |w| * max |x - zx| + |bias| < 2^29."""
+    w = np.asarray(w, np.int64).reshape(p["M"], -1)
+    if 9 * int(np.abs(w).max(initial=0)) >= 2 ** 15:
+        return False
+    bound = np.abs(w).sum(axis=1) * _xmax(p) + np.abs(np.asarray(bias, np.int64))
+    return bool((bound < ACC_BOUND).all())
+
+
+def preferred(p: dict, w: np.ndarray, bias: np.ndarray, isa: str, dtype: str, force: str) -> bool:
+    """Whether a QConv layer takes qconv2d_winograd on `isa` (the ISA its implicit GEMM would use):
+    forced (TINYDEPLOY_ALGO=qconv2d_winograd), else where the ISA's descriptor prefers it
+    (Q8.winograd, by exact instruction counts) and the input has more than one channel; always
+    only where the geometry fits and the weights prove it exact. TINYDEPLOY_ALGO=qconv2d_gemm or
+    qconv2d_igemm keeps those kernels."""
+    q = get_isa(isa).q8
+    if force in ("qconv2d_gemm", "qconv2d_igemm") or q is None or not kreg.has_variant(
+            "qconv2d_winograd", dtype, isa):
+        return False
+    if not (force == "qconv2d_winograd" or (q.winograd and p["C"] > 1)):
+        return False
+    return fits(p) and exact_for(p, w, bias)
+
+
+def transform_weights(w: np.ndarray, m: int, c: int) -> np.ndarray:
+    """U = G' g G'^T for every (output, input) channel: [16][M][C] int64 (xi = 4 i + j)."""
+    g = np.asarray(w, np.int64).reshape(m, c, 3, 3)
+    u = np.einsum("ik,mckl,jl->ijmc", G2, g, G2)
+    return u.reshape(16, m, c)
+
+
+def geometry(p: dict, l1: int) -> dict:
+    """Tile grid and block of the layer: TROWS x TCOLS tiles of 2x2 outputs; RB tile rows a block,
+    as many as keep the block's transformed input (16 x CP x TV int16) within L1 (at least one)."""
+    trows, tcols = -(-p["OH"] // 2), -(-p["OW"] // 2)
+    cp = _round_up(p["C"], CSTEP)
+
+    def tv(rb):            # a V row: the block's tiles in whole NR panels, plus a vector's overrun
+        return _round_up(max(_round_up(rb * tcols, NR), rb * tcols + 8), 8)
+    rb = trows
+    while rb > 1 and 2 * 16 * cp * tv(rb) > l1:
+        rb -= 1
+    return {"TROWS": trows, "TCOLS": tcols, "RB": rb, "CP": cp, "TB": _round_up(rb * tcols, NR), "TV": tv(rb),
+            "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], MR)}
+
+
+def scratch_layout(gm: dict, c: int) -> dict:
+    """Byte offsets in the scratch: int16 planes (C x PR x WP, then a margin for the last vector's
+    overrun), V [16][CP][TV] int16, the int32 GEMM buffer [MR][2][16][4], the staging bytes
+    [MP][2][2 TB]."""
+    planes = _round_up(2 * (c * gm["PR"] * gm["WP"] + 32), 64)
+    v = _round_up(2 * 16 * gm["CP"] * gm["TV"], 64)
+    buf = 4 * MR * NR * 16
+    stage = _round_up(gm["MP"] * 4 * gm["TB"], 64)
+    return {"OFF_V": planes, "OFF_BUF": planes + v, "OFF_S": planes + v + buf, "BYTES": planes + v + buf + stage}
+
+
+def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarray) -> Kernel:
+    """The qconv2d_winograd kernel of one QConv layer (preferred() said so); w: the weights as
+    [M][C*9], r: the float32 requantisation ratio per output channel."""
+    p = dict(k.params)
+    m, c = p["M"], p["C"]
+    gm = geometry(p, int(target.l1d_bytes or 32768))
+    mp, cp = gm["MP"], gm["CP"]
+    u = np.zeros((16, mp, cp), np.int64)
+    u[:, :m, :c] = transform_weights(w, m, c)
+    u = u.reshape(16, mp // MR, MR, cp).transpose(0, 1, 3, 2)                # [16][MP/8][CP][8]
+    # the kernel multiplies x - zx everywhere; the reference's bias has zx folded in where no
+    # padding is read (zp_in_loop false): undo that fold
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    b = k.tensor(k.args[2], g).data.astype(np.int64) + (p["ZX"] - zx_loop) * np.asarray(w, np.int64).sum(axis=1)
+    bk = np.zeros(mp, np.int64)
+    bk[:m] = b
+    rk = np.zeros(mp, np.float32)
+    rk[:m] = r
+    consts = {}
+    base = k.args[1] + "_wino_" + isa.replace("-", "_")
+    wname = new_const(g, consts, base, u.astype(np.int16).reshape(-1))
+    bname = new_const(g, consts, base + "_bias", (bk & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
+    rname = new_const(g, consts, base + "_requant_scale", rk)
+    lay = scratch_layout(gm, c)
+    p.update(gm, **lay, algo="qconv2d_winograd", q8_isa=isa)
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    desc = (f"[qconv2d_winograd {isa} F(2x2,3x3) {gm['TROWS']}x{gm['TCOLS']} tiles, {gm['RB']} tile rows a "
+            f"block] {k.desc}")
+    return Kernel("qconv2d_winograd", k.dtype, p, args, lay["BYTES"], desc, consts=consts, scratch_dtype="int32")
