@@ -9,12 +9,14 @@ Lavin and Gray's F(2x2, 3x3):
   V = B^T d B           per 4x4 input tile, d = x - zx (padded taps 0): |V| <= 4 * 255 (int16)
   M = sum over c of U (.) V      int32 (SMLAL by lane: int16 x int16 widened, wrapping adds)
   Y = A^T M A = 4 * S   S = the reference's sum of (x - zx) w over the 3x3 window, no bias
-Every step is +, -, x in the ring of int32, so the wrapped Y equals 4 S modulo 2^32; S is
-recovered exactly by an arithmetic shift right by 2 whenever |S| < 2^29, which is proven here per
-layer from the weights (sum |w| over a channel's taps times the largest |x - zx|, plus |bias|,
-below 2^29) or the algorithm is refused. The bias (with the zero point's fold undone: the kernel
-always subtracts zx) is added after the shift, and the requantisation is the reference's float32
-one (docs/quantization.md), so the outputs equal the reference kernel's bit for bit.
+The kernel also adds 4 b (b: the bias, with the zero point's fold undone: the kernel always
+subtracts zx) to M11, which enters each of the four outputs once, so Y = 4 (S + b), 4 times the
+reference's int32 accumulator. Every step is +, -, x in the ring of int32, so the wrapped Y equals
+that modulo 2^32, and it is that value when |S + b| < 2^29: proven here per layer from the weights
+(sum |w| over a channel's taps times the largest |x - zx|, plus |b|, below 2^29) or the algorithm
+is refused. Then f32(Y) / 4 = f32(S + b) exactly (rounding commutes
+with powers of 2: one SCVTF with 2 fraction bits), and the requantisation is the reference's
+float32 one (docs/quantization.md), so the outputs equal the reference kernel's bit for bit.
 
 Layout (per image): tile rows are taken RB at a time (a block: its transformed input, 16 x CP x TV
 int16, about the size of L1); the block's rows of the input, minus zx, go to zero-padded int16
@@ -52,9 +54,17 @@ def fits(p: dict) -> bool:
             and p["DH"] == p["DW"] == 1)
 
 
+def kernel_bias(p: dict, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The bias the kernel adds (int64): the kernel multiplies x - zx everywhere, the reference's
+    bias b' has zx folded in where no padding is read (zp_in_loop false): that fold undone."""
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    return np.asarray(b, np.int64) + (p["ZX"] - zx_loop) * np.asarray(w, np.int64).reshape(p["M"], -1).sum(axis=1)
+
+
 def exact_for(p: dict, w: np.ndarray, bias: np.ndarray) -> bool:
     """Whether the weights prove the algorithm exact (see the module docstring): |U| fits int16
-    and, per output channel, sum |w| * max |x - zx| + |bias| < 2^29."""
+    and, per output channel, sum |w| * max |x - zx| + |bias| < 2^29 (bias: kernel_bias; the
+    kernel adds 4 bias to M11, which enters all four outputs once, so Y = 4 (S + bias))."""
     w = np.asarray(w, np.int64).reshape(p["M"], -1)
     if 9 * int(np.abs(w).max(initial=0)) >= 2 ** 15:
         return False
@@ -74,7 +84,7 @@ def preferred(p: dict, w: np.ndarray, bias: np.ndarray, isa: str, dtype: str, fo
         return False
     if not (force == "qconv2d_winograd" or (q.winograd and p["C"] > 1)):
         return False
-    return fits(p) and exact_for(p, w, bias)
+    return fits(p) and exact_for(p, w, kernel_bias(p, w, bias))
 
 
 def transform_weights(w: np.ndarray, m: int, c: int) -> np.ndarray:
@@ -120,12 +130,8 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     u = np.zeros((16, mp, cp), np.int64)
     u[:, :m, :c] = transform_weights(w, m, c)
     u = u.reshape(16, mp // MR, MR, cp).transpose(0, 1, 3, 2)                # [16][MP/8][CP][8]
-    # the kernel multiplies x - zx everywhere; the reference's bias has zx folded in where no
-    # padding is read (zp_in_loop false): undo that fold
-    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
-    b = k.tensor(k.args[2], g).data.astype(np.int64) + (p["ZX"] - zx_loop) * np.asarray(w, np.int64).sum(axis=1)
     bk = np.zeros(mp, np.int64)
-    bk[:m] = b
+    bk[:m] = 4 * kernel_bias(p, w, k.tensor(k.args[2], g).data)      # added to M11: Y = 4 (S + bias)
     rk = np.zeros(mp, np.float32)
     rk[:m] = r
     consts = {}
