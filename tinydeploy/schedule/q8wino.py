@@ -22,7 +22,7 @@ Layout (per image): tile rows are taken RB at a time (a block: its transformed i
 int16, about the size of L1); the block's rows of the input, minus zx, go to zero-padded int16
 planes (C x PR x WP), their transform to V [16][CP][TV] (tiles of the block flattened, row after
 row, in the vector lanes), then per 8 output channels and 8 tiles the 16 GEMMs [8][CP] x [CP][8]
-(U packed at build time [16][MP/8][CP][8]) into a small int32 buffer, the output transform, bias
+(U packed at build time [MP/8][16][CP][8]) into a small int32 buffer, the output transform, bias
 and requantisation on it, bytes into two staging rows per tile row, copied to the output.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     mp, cp = gm["MP"], gm["CP"]
     u = np.zeros((16, mp, cp), np.int64)
     u[:, :m, :c] = transform_weights(w, m, c)
-    u = u.reshape(16, mp // MR, MR, cp).transpose(0, 1, 3, 2)                # [16][MP/8][CP][8]
+    u = u.reshape(16, mp // MR, MR, cp).transpose(1, 0, 3, 2)                # [MP/8][16][CP][8]
     bk = np.zeros(mp, np.int64)
     bk[:m] = 4 * kernel_bias(p, w, k.tensor(k.args[2], g).data)      # added to M11: Y = 4 (S + bias)
     rk = np.zeros(mp, np.float32)
