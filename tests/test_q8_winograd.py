@@ -10,6 +10,8 @@ weights with a zero point (int16 w - zw), a fused Relu and an output range that 
 layer the bound refuses (it keeps the implicit GEMM)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -78,6 +80,7 @@ def test_aarch64_winograd_bit_exact(dtype, tmp_path, monkeypatch):
         src = (tmp_path / algo / "td_kernels.c").read_text()
         assert src.count("[qconv2d_winograd neon ") == want, algo
         assert src.count("[qconv2d_igemm neon ") == 1, algo          # the refused layer
+        assert re.search(r"9x10 tiles, [1-4] tile rows a block", src), algo     # blocks, the last one short
 
 
 def test_exactness_bound():

@@ -27,6 +27,8 @@ and requantisation on it, bytes into two staging rows per tile row, copied to th
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from tinydeploy.codegen import kernels as kreg
@@ -94,17 +96,19 @@ def transform_weights(w: np.ndarray, m: int, c: int) -> np.ndarray:
     return u.reshape(16, m, c)
 
 
-def geometry(p: dict, l1: int) -> dict:
-    """Tile grid and block of the layer: TROWS x TCOLS tiles of 2x2 outputs; RB tile rows a block,
-    as many as keep the block's transformed input (16 x CP x TV int16) within L1 (at least one)."""
+def geometry(p: dict, budget: int, rb: int | None = None) -> dict:
+    """Tile grid and block of the layer: TROWS x TCOLS tiles of 2x2 outputs; RB tile rows a block
+    (given, or as many as keep the block's transformed input, 16 x CP x TV int16, within `budget`
+    bytes, at least one)."""
     trows, tcols = -(-p["OH"] // 2), -(-p["OW"] // 2)
     cp = _round_up(p["C"], CSTEP)
 
     def tv(rb):            # a V row: the block's tiles in whole NR panels, plus a vector's overrun
         return _round_up(max(_round_up(rb * tcols, NR), rb * tcols + 8), 8)
-    rb = trows
-    while rb > 1 and 2 * 16 * cp * tv(rb) > l1:
-        rb -= 1
+    if rb is None:
+        rb = trows
+        while rb > 1 and 2 * 16 * cp * tv(rb) > budget:
+            rb -= 1
     return {"TROWS": trows, "TCOLS": tcols, "RB": rb, "CP": cp, "TB": _round_up(rb * tcols, NR), "TV": tv(rb),
             "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], MR)}
 
@@ -125,7 +129,10 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     [M][C*9], r: the float32 requantisation ratio per output channel."""
     p = dict(k.params)
     m, c = p["M"], p["C"]
-    gm = geometry(p, int(target.l1d_bytes or 32768))
+    # blocks of tile rows: at least those whose V fits L1 (the floor fit() starts from), at most
+    # those whose V fits a quarter of L2, as the room under the arena's peak allows (fit)
+    lo, hi = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288) // 4
+    gm = geometry(p, lo)
     mp, cp = gm["MP"], gm["CP"]
     u = np.zeros((16, mp, cp), np.int64)
     u[:, :m, :c] = transform_weights(w, m, c)
@@ -140,8 +147,26 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     bname = new_const(g, consts, base + "_bias", (bk & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
     rname = new_const(g, consts, base + "_requant_scale", rk)
     lay = scratch_layout(gm, c)
-    p.update(gm, **lay, algo="qconv2d_winograd", q8_isa=isa)
+    p.update(gm, **lay, algo="qconv2d_winograd", q8_isa=isa, RB_MIN=gm["RB"], RB_MAX=geometry(p, hi)["RB"])
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     desc = (f"[qconv2d_winograd {isa} F(2x2,3x3) {gm['TROWS']}x{gm['TCOLS']} tiles, {gm['RB']} tile rows a "
             f"block] {k.desc}")
     return Kernel("qconv2d_winograd", k.dtype, p, args, lay["BYTES"], desc, consts=consts, scratch_dtype="int32")
+
+
+def fit(k: Kernel, room: int) -> bool:
+    """Size the scratch to at most `room` bytes (the planner's fit): the most tile rows a block,
+    from RB_MIN (V within L1; fit(k, 0) leaves it there, which sets the peak) up to RB_MAX (V
+    within a quarter of L2), whose scratch fits. Fewer blocks convert fewer overlapping input
+    rows (each block reads 2 rows more than its outputs need); the results do not change."""
+    p = k.params
+    rb = p["RB_MIN"]
+    for r in range(p["RB_MIN"] + 1, p["RB_MAX"] + 1):
+        if room and scratch_layout(geometry(p, 0, r), p["C"])["BYTES"] <= room:
+            rb = r
+    gm = geometry(p, 0, rb)
+    lay = scratch_layout(gm, p["C"])
+    k.params = dict(p, **gm, **lay)
+    k.scratch_bytes = lay["BYTES"]
+    k.desc = re.sub(r", \d+ tile rows a block", f", {rb} tile rows a block", k.desc, count=1)
+    return True
