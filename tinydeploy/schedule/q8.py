@@ -37,6 +37,9 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
                  KG interleaved channels (no im2col; taps unrolled): on ISAs whose descriptor
                  prefers it (Cortex-A), or when forced (TINYDEPLOY_ALGO=qconv2d_igemm); see
                  igemm_preferred.
+  qconv2d_winograd  3x3 stride-1 one-group layers as an exact integer Winograd F(2x2, 3x3) where
+                 the ISA's descriptor asks for it (Q8.winograd) and the weights prove it exact:
+                 schedule/q8wino.py (select_q8 calls it before the GEMMs).
   qdense_packed  fully connected: output columns in the vector lanes (weights packed at build
                  time [N/NRD][KGN][NRD][KG], int8 kept int8 and widened as loaded), the input
                  row broadcast a k-group at a time, the requantisation per column in registers.
