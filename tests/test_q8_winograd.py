@@ -7,7 +7,8 @@ sizes, H and W of 1 and 2, every padding (none, symmetric, asymmetric, 2 on a si
 single input channels, odd output channels, many channels over several tile blocks, activation
 zero points at both ends of their range, int8 weights over the whole range (-128 included), uint8
 weights with a zero point (int16 w - zw), a fused Relu and an output range that saturates, and a
-layer the bound refuses (it keeps the implicit GEMM)."""
+layer the bound refuses (it keeps the implicit GEMM); tile rows of 8 and 16 tiles (V in panels of 8
+tiles) and of other counts."""
 from __future__ import annotations
 
 import re
@@ -30,6 +31,8 @@ LAYERS = [
     (7, 2, 19, 9, (2, 0, 1, 2), "mid", "uint8", None),      # H 2, W 19: uint8 weights with a zero point
     (40, 18, 20, 24, (1, 1, 1, 1), "lo", "int8", None),     # many channels: several tile blocks
     (4, 3, 17, 5, (1, 2, 0, 1), "hi", "int8", "sat"),       # W >= 16 per row, saturating output
+    (6, 5, 16, 11, (1, 1, 1, 1), "lo", "int8", "relu"),     # 8 tiles a row: V in panels, C padded to 8
+    (21, 13, 32, 8, (1, 0, 1, 2), "hi", "uint8", None),     # 16 tiles a row: panels, over several blocks
 ]
 REFUSED = (1840, 1, 1, 2)       # C, H, W, M with every weight -128 and zx at an end: 1840 * 9 * 128 * 255 >= 2^29
 
@@ -81,6 +84,7 @@ def test_aarch64_winograd_bit_exact(dtype, tmp_path, monkeypatch):
         assert src.count("[qconv2d_winograd neon ") == want, algo
         assert src.count("[qconv2d_igemm neon ") == 1, algo          # the refused layer
         assert re.search(r"9x10 tiles, [1-4] tile rows a block", src), algo     # blocks, the last one short
+        assert re.search(r"7x16 tiles, [1-3] tile rows a block", src), algo
 
 
 def test_exactness_bound():

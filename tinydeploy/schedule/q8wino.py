@@ -21,7 +21,7 @@ float32 one (docs/quantization.md), so the outputs equal the reference kernel's 
 Layout (per image): tile rows are taken RB at a time (a block: its transformed input, 16 x CP x TV
 int16, about the size of L1); the block's rows of the input, minus zx, go to zero-padded int16
 planes (C x PR x WP), their transform to V [16][CP][TV] (tiles of the block flattened, row after
-row, in the vector lanes), then per 8 output channels and 8 tiles the 16 GEMMs [8][CP] x [CP][8]
+row, in the vector lanes; [16][TB/8][CP][8] where a tile row is whole vectors), then per 8 output channels and 8 tiles the 16 GEMMs [8][CP] x [CP][8]
 (U packed at build time [MP/8][16][CP][8]) into a small int32 buffer, the output transform, bias
 and requantisation on it, bytes into two staging rows per tile row, copied to the output.
 """
@@ -109,16 +109,18 @@ def geometry(p: dict, budget: int, rb: int | None = None) -> dict:
         rb = trows
         while rb > 1 and 2 * 16 * cp * tv(rb) > budget:
             rb -= 1
+    # PANEL: tile rows of whole vectors, so V can be kept [16][TB/8][CP][8] (a GEMM step's 4 rows of
+    # 8 tiles in one load) rather than [16][CP][TV]
     return {"TROWS": trows, "TCOLS": tcols, "RB": rb, "CP": cp, "TB": _round_up(rb * tcols, NR), "TV": tv(rb),
-            "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], MR)}
+            "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], MR), "PANEL": tcols % 8 == 0}
 
 
 def scratch_layout(gm: dict, c: int) -> dict:
     """Byte offsets in the scratch: int16 planes (C x PR x WP, then a margin for the last vector's
-    overrun), V [16][CP][TV] int16, the int32 GEMM buffer [MR][2][16][4], the staging bytes
+    overrun), V [16][CP][TV] or [16][TB/8][CP][8] int16, the int32 GEMM buffer [MR][2][16][4], the staging bytes
     [MP][2][2 TB]."""
     planes = _round_up(2 * (c * gm["PR"] * gm["WP"] + 32), 64)
-    v = _round_up(2 * 16 * gm["CP"] * gm["TV"], 64)
+    v = _round_up(2 * 16 * gm["CP"] * (gm["TB"] if gm["PANEL"] else gm["TV"]), 64)
     buf = 4 * MR * NR * 16
     stage = _round_up(gm["MP"] * 4 * gm["TB"], 64)
     return {"OFF_V": planes, "OFF_BUF": planes + v, "OFF_S": planes + v + buf, "BYTES": planes + v + buf + stage}
