@@ -7,7 +7,7 @@ sizes, H and W of 1 and 2, every padding (none, symmetric, asymmetric, 2 on a si
 single input channels, odd output channels, many channels over several tile blocks, activation
 zero points at both ends of their range, int8 weights over the whole range (-128 included), uint8
 weights with a zero point (int16 w - zw), a fused Relu and an output range that saturates, and a
-layer the bound refuses (it keeps the implicit GEMM); tile rows of 8 and 16 tiles (V in panels of 8
+layer the bound refuses (it keeps the implicit GEMM); tile rows of 4, 8, 12 and 16 tiles (V in panels of 8
 tiles) and of other counts."""
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ LAYERS = [
     (4, 3, 17, 5, (1, 2, 0, 1), "hi", "int8", "sat"),       # W >= 16 per row, saturating output
     (6, 5, 16, 11, (1, 1, 1, 1), "lo", "int8", "relu"),     # 8 tiles a row: V in panels, C padded to 8
     (21, 13, 32, 8, (1, 0, 1, 2), "hi", "uint8", None),     # 16 tiles a row: panels, over several blocks
+    (9, 11, 24, 16, (1, 1, 1, 1), "mid", "int8", "relu"),   # 12 tiles a row: half panels (4 tiles a vector)
 ]
 REFUSED = (1840, 1, 1, 2)       # C, H, W, M with every weight -128 and zx at an end: 1840 * 9 * 128 * 255 >= 2^29
 

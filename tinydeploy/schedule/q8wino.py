@@ -109,10 +109,11 @@ def geometry(p: dict, budget: int, rb: int | None = None) -> dict:
         rb = trows
         while rb > 1 and 2 * 16 * cp * tv(rb) > budget:
             rb -= 1
-    # PANEL: tile rows of whole vectors, so V can be kept [16][TB/8][CP][8] (a GEMM step's 4 rows of
-    # 8 tiles in one load) rather than [16][CP][TV]
+    # PANEL: tile rows of whole vectors (VEC tiles: 8, or 4 where a row has 4 modulo 8), so V can be
+    # kept [16][TB/8][CP][8] (a GEMM step's 4 rows of 8 tiles in one load) rather than [16][CP][TV]
     return {"TROWS": trows, "TCOLS": tcols, "RB": rb, "CP": cp, "TB": _round_up(rb * tcols, NR), "TV": tv(rb),
-            "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], MR), "PANEL": tcols % 8 == 0}
+            "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], MR), "PANEL": tcols % 4 == 0,
+            "VEC": 4 if tcols % 8 == 4 else 8}
 
 
 def scratch_layout(gm: dict, c: int) -> dict:
