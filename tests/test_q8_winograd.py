@@ -1,6 +1,6 @@
 """The 8-bit exact integer Winograd F(2x2, 3x3) (schedule/q8wino.py, qconv2d_winograd.c.j2), bit
-for bit against tinydeploy's exact reference under qemu-aarch64 (Cortex-A72: neon, where it is
-selected by itself), and its build-time exactness bound.
+for bit against tinydeploy's exact reference under qemu-aarch64 (Cortex-A72: neon) and on the host
+(AVX2), where it is selected by itself, and its build-time exactness bound.
 
 One model per activation type holds many layers side by side (one compiled binary): odd output
 sizes, H and W of 1 and 2, every padding (none, symmetric, asymmetric, 2 on a side), odd and
@@ -18,8 +18,9 @@ import pytest
 
 from test_quantized import QDQ, qrange
 from tinydeploy import flow
+from test_q8_kernels import _x86_host
 from tinydeploy.schedule import q8wino
-from util import require, save
+from util import check_model_lsb, require, save
 
 # (C, H, W, M, pads (top, left, bottom, right), x zero point: "lo" / "hi" / "mid", weights, act)
 LAYERS = [
@@ -86,6 +87,20 @@ def test_aarch64_winograd_bit_exact(dtype, tmp_path, monkeypatch):
         assert src.count("[qconv2d_igemm neon ") == 1, algo          # the refused layer
         assert re.search(r"9x10 tiles, [1-4] tile rows a block", src), algo     # blocks, the last one short
         assert re.search(r"7x16 tiles, [1-3] tile rows a block", src), algo
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(np.int8, id="s8"), pytest.param(np.uint8, id="u8")])
+def test_avx2_winograd_bit_exact(dtype, tmp_path, monkeypatch):
+    """The x86 variant (vpmaddwd on channel pairs) on a host planned for AVX2 whatever this CPU
+    is (AVX-512 and VNNI hosts keep their GEMMs): gcc, clang and gcc with ASan and UBSan, bit for
+    bit against the exact reference, every fitting layer (the one-channel layer too)."""
+    _x86_host("avx2", monkeypatch)
+    path = save(wino_model(dtype), tmp_path)
+    flow.build(path, "host", tmp_path / "probe", quiet=True, cc="gcc")
+    src = (tmp_path / "probe" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_winograd avx2 ") == len(LAYERS) - 1 and "(avx2)" in src
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_winograd")
+    check_model_lsb(path, tmp_path, seeds=(0, 1))
 
 
 def test_exactness_bound():

@@ -1,7 +1,8 @@
 """8-bit 3x3 stride-1 convolutions as an exact integer Winograd F(2x2, 3x3) (qconv2d_winograd,
 template firmware_templates/kernels/qconv2d_winograd.c.j2), where the ISA's 8-bit descriptor asks
-for it (targets/isa.py Q8.winograd: Cortex-A72's SMLAL by lane) and the layer's weights prove it
-exact. schedule/q8.py select_q8 calls `preferred` and `select`.
+for it (targets/isa.py Q8.winograd: Cortex-A72's SMLAL by lane, AVX2's vpmaddwd on pairs of input
+channels) and the layer's weights prove it exact. schedule/q8.py select_q8 calls `preferred` and
+`select`; the planner sizes its blocks (`fit`).
 
 Why it is exact. With G' = 2G (integer entries: [[2,0,0],[1,1,1],[1,-1,1],[0,0,2]]), B^T and A^T of
 Lavin and Gray's F(2x2, 3x3):
@@ -23,7 +24,11 @@ int16, about the size of L1); the block's rows of the input, minus zx, go to zer
 planes (C x PR x WP), their transform to V [16][CP][TV] (tiles of the block flattened, row after
 row, in the vector lanes; [16][TB/8][CP][8] where a tile row is whole vectors), then per 8 output channels and 8 tiles the 16 GEMMs [8][CP] x [CP][8]
 (U packed at build time [MP/8][16][CP][8]) into a small int32 buffer, the output transform, bias
-and requantisation on it, bytes into two staging rows per tile row, copied to the output.
+and requantisation on it, bytes into two staging rows per tile row, copied to the output. x86
+(madd): two input channels side by side in each 32-bit lane from the planes on (each plane row
+split into its even and odd columns, so that a tile's 4 columns are plain loads), V [16][CP/2][TV]
+words, U [MP/4][16][CP/2][4] words, 4 output channels x 16 tiles per GEMM tile; the requantisation
+multiplies f32(4 acc) by R / 4, which gives f32(f32(acc) * R) exactly.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ G2 = np.array([[2, 0, 0], [1, 1, 1], [1, -1, 1], [0, 0, 2]], np.int64)       # G
 BT = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.int64)
 AT = np.array([[1, 1, 1, 0], [0, 1, -1, -1]], np.int64)
 MR, NR = 8, 8               # GEMM register tile: 8 output channels x 8 tiles (16 int32x4)
+X86_MR, X86_NR = 4, 16      # x86 (madd): 4 output channels x 16 tiles (8 ymm of int32)
 CSTEP = 4                   # input channels per k step (the packed U of 4 channels: one load)
 ACC_BOUND = 2 ** 29         # |S| below it: 4 S fits int32, S = (4 S) >> 2
 
@@ -101,26 +107,35 @@ def geometry(p: dict, budget: int, rb: int | None = None) -> dict:
     (given, or as many as keep the block's transformed input, 16 x CP x TV int16, within `budget`
     bytes, at least one)."""
     trows, tcols = -(-p["OH"] // 2), -(-p["OW"] // 2)
-    cp = _round_up(p["C"], CSTEP)
+    x86 = p["X86"]
+    cp = _round_up(p["C"], 2 if x86 else CSTEP)
+    nr = X86_NR if x86 else NR
 
     def tv(rb):            # a V row: the block's tiles in whole NR panels, plus a vector's overrun
-        return _round_up(max(_round_up(rb * tcols, NR), rb * tcols + 8), 8)
+        return _round_up(max(_round_up(rb * tcols, nr), rb * tcols + 8), 8)
     if rb is None:
         rb = trows
         while rb > 1 and 2 * 16 * cp * tv(rb) > budget:
             rb -= 1
     # PANEL: tile rows of whole vectors (VEC tiles: 8, or 4 where a row has 4 modulo 8), so V can be
     # kept [16][TB/8][CP][8] (a GEMM step's 4 rows of 8 tiles in one load) rather than [16][CP][TV]
-    return {"TROWS": trows, "TCOLS": tcols, "RB": rb, "CP": cp, "TB": _round_up(rb * tcols, NR), "TV": tv(rb),
-            "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], MR), "PANEL": tcols % 4 == 0,
-            "VEC": 4 if tcols % 8 == 4 else 8}
+    # x86 (madd): channel pairs in the int16 lanes (planes, V [16][CP/2][TV][2]), even and odd plane
+    # columns apart (WH pairs a row each; a row's last vector reads on into the next row, for
+    # tiles that are not outputs), 4 output channels x 16 tiles a GEMM tile
+    return {"TROWS": trows, "TCOLS": tcols, "RB": rb, "CP": cp, "TB": _round_up(rb * tcols, nr), "TV": tv(rb),
+            "PR": 2 * rb + 2, "WP": 2 * tcols + 2, "MP": _round_up(p["M"], X86_MR if x86 else MR),
+            "PANEL": tcols % 4 == 0 and not x86, "VEC": 4 if tcols % 8 == 4 and not x86 else 8,
+            "WH": tcols + 1, "X86": x86}
 
 
 def scratch_layout(gm: dict, c: int) -> dict:
     """Byte offsets in the scratch: int16 planes (C x PR x WP, then a margin for the last vector's
     overrun), V [16][CP][TV] or [16][TB/8][CP][8] int16, the int32 GEMM buffer [MR][2][16][4], the staging bytes
     [MP][2][2 TB]."""
-    planes = _round_up(2 * (c * gm["PR"] * gm["WP"] + 32), 64)
+    if gm["X86"]:                                 # channel pairs, E and O rows
+        planes = _round_up(4 * (gm["CP"] * gm["PR"] * gm["WH"] + 16), 64)    # a vector's overrun past the end
+    else:
+        planes = _round_up(2 * (c * gm["PR"] * gm["WP"] + 32), 64)
     v = _round_up(2 * 16 * gm["CP"] * (gm["TB"] if gm["PANEL"] else gm["TV"]), 64)
     buf = 4 * MR * NR * 16
     stage = _round_up(gm["MP"] * 4 * gm["TB"], 64)
@@ -130,7 +145,7 @@ def scratch_layout(gm: dict, c: int) -> dict:
 def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarray) -> Kernel:
     """The qconv2d_winograd kernel of one QConv layer (preferred() said so); w: the weights as
     [M][C*9], r: the float32 requantisation ratio per output channel."""
-    p = dict(k.params)
+    p = dict(k.params, X86=get_isa(isa).q8.flavour == "madd")
     m, c = p["M"], p["C"]
     # blocks of tile rows: at least those whose V fits L1 (the floor fit() starts from), at most
     # those whose V fits a quarter of L2, as the room under the arena's peak allows (fit)
@@ -139,18 +154,26 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     mp, cp = gm["MP"], gm["CP"]
     u = np.zeros((16, mp, cp), np.int64)
     u[:, :m, :c] = transform_weights(w, m, c)
-    u = u.reshape(16, mp // MR, MR, cp).transpose(1, 0, 3, 2)                # [MP/8][16][CP][8]
+    if p["X86"]:        # [MP/4][16][CP/2][4] int32 words of (U[2c], U[2c + 1])
+        u = u.reshape(16, mp // X86_MR, X86_MR, cp // 2, 2).transpose(1, 0, 3, 2, 4)
+        u = ((u[..., 0] & 0xFFFF) | ((u[..., 1] & 0xFFFF) << 16)).astype(np.uint32).view(np.int32)
+    else:
+        u = u.reshape(16, mp // MR, MR, cp).transpose(1, 0, 3, 2).astype(np.int16)    # [MP/8][16][CP][8]
     bk = np.zeros(mp, np.int64)
     bk[:m] = 4 * kernel_bias(p, w, k.tensor(k.args[2], g).data)      # added to M11: Y = 4 (S + bias)
     rk = np.zeros(mp, np.float32)
-    rk[:m] = r
+    rk[:m] = r / np.float32(4) if p["X86"] else r    # x86: f32(f32(4 acc) * R / 4) = f32(f32(acc) * R)
     consts = {}
     base = k.args[1] + "_wino_" + isa.replace("-", "_")
-    wname = new_const(g, consts, base, u.astype(np.int16).reshape(-1))
+    wname = new_const(g, consts, base, u.reshape(-1))
     bname = new_const(g, consts, base + "_bias", (bk & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
     rname = new_const(g, consts, base + "_requant_scale", rk)
+    rb_max = geometry(p, hi)["RB"]
+    if p["X86"]:        # at least two GEMM panels of 16 tiles a block (else the last panel is mostly waste)
+        rb_min = min(gm["TROWS"], max(gm["RB"], -(-2 * X86_NR // gm["TCOLS"])))
+        gm, rb_max = geometry(p, 0, rb_min), max(rb_max, rb_min)
     lay = scratch_layout(gm, c)
-    p.update(gm, **lay, algo="qconv2d_winograd", q8_isa=isa, RB_MIN=gm["RB"], RB_MAX=geometry(p, hi)["RB"])
+    p.update(gm, **lay, algo="qconv2d_winograd", q8_isa=isa, RB_MIN=gm["RB"], RB_MAX=rb_max)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     desc = (f"[qconv2d_winograd {isa} F(2x2,3x3) {gm['TROWS']}x{gm['TCOLS']} tiles, {gm['RB']} tile rows a "
             f"block] {k.desc}")
@@ -161,12 +184,16 @@ def fit(k: Kernel, room: int) -> bool:
     """Size the scratch to at most `room` bytes (the planner's fit): the most tile rows a block,
     from RB_MIN (V within L1; fit(k, 0) leaves it there, which sets the peak) up to RB_MAX (V
     within a quarter of L2), whose scratch fits. Fewer blocks convert fewer overlapping input
-    rows (each block reads 2 rows more than its outputs need); the results do not change."""
+    rows (each block reads 2 rows more than its outputs need). Where the hole under the peak is
+    smaller than RB_MIN needs (the activations around it leave it fragmented), the block is cut
+    below it to fill the hole (down to one tile row) rather than raise the arena, as
+    q8.fit_gemm does. The results do not change."""
     p = k.params
     rb = p["RB_MIN"]
-    for r in range(p["RB_MIN"] + 1, p["RB_MAX"] + 1):
-        if room and scratch_layout(geometry(p, 0, r), p["C"])["BYTES"] <= room:
-            rb = r
+    if room:
+        fitting = [r for r in range(1, p["RB_MAX"] + 1)
+                   if scratch_layout(geometry(p, 0, r), p["C"])["BYTES"] <= room]
+        rb = max(fitting, default=1)
     gm = geometry(p, 0, rb)
     lay = scratch_layout(gm, p["C"])
     k.params = dict(p, **gm, **lay)
