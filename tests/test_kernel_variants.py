@@ -93,6 +93,10 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
     for board in ("rpi4", "jetson-orin"):                  # neon; neon-dotprod (then neon)
         compile_model(q8, boards.get_board(board).make_target(), board=board)
     monkeypatch.delenv("TINYDEPLOY_ALGO")
+    compile_model(q8, rpi4, board="rpi4")         # by itself: qconv2d_winograd for its 3x3 stride-1 layer (neon)
+    with monkeypatch.context() as mp:              # and on an AVX2 host
+        mp.setitem(targets.TARGETS, "host", lambda: dataclasses.replace(targets.host(), isas=["avx2"]))
+        compile_model(q8, get_target("host"), board="host")
     add = _save(_add_model((1, 8, 4, 5), (1, 8, 4, 5), -128, 4, -128, 0.05, 0.11, 0.12), tmp_path, "add")
     for isa in ("avx512", "avx2"):                          # qadd in double precision (x86)
         with monkeypatch.context() as mp:

@@ -176,12 +176,14 @@ def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkey
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
-def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path):
+def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path, monkeypatch):
     """Cortex-A72's implicit GEMM: SMULL pairs over [pixel][16 channels] byte planes where the
     weights hold no -128 (16 x 16 transposes for stride 1, byte gathers for stride 2), else
-    SMLAL; the same bits."""
+    SMLAL; the same bits. Forced, so the 3x3 stride-1 layer does not take the Winograd
+    (tests/test_q8_winograd.py)."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_igemm")
     path = save(wide_model(dtype, weights), tmp_path)
     for seed in (0, 1):
         res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)

@@ -69,6 +69,7 @@ from tinydeploy.schedule.first import drop_folded
 from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
 from tinydeploy.schedule import mcu, stream
 from tinydeploy.schedule.q8 import fit_gemm, select_q8
+from tinydeploy.schedule import q8wino
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 
@@ -118,6 +119,8 @@ def fit_scratch(k: Kernel, room: int) -> bool:
     False for kernels whose scratch has one size."""
     if k.family == "qconv2d_gemm":
         return fit_gemm(k, room)
+    if k.family == "qconv2d_winograd":
+        return q8wino.fit(k, room)
     return (stream.fit if k.family == "stream" else mcu.fit_scratch)(k, room)
 
 

@@ -39,6 +39,9 @@ class Q8:
     fit_cols: int = 0
     igemm: bool = False
     pairs: "Q8 | None" = None
+    # 3x3 stride-1 one-group layers take the exact integer Winograd F(2x2, 3x3) (qconv2d_winograd,
+    # schedule/q8wino.py) where the weights prove it exact
+    winograd: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,11 @@ class ISA:
 # fit_cols, measured: AVX2 (bench, MLPerf Tiny int8, interleaved): 128 columns cost nothing
 # measurable (IC 0.366 ms against 0.367-0.374 uncut), 64 cost 3-4% on IC and KWS; NEON (rpi4,
 # exact instructions under QEMU): 128 cost IC +4.8%, VWW +1.9%, so neon keeps its blocks.
-_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128)
+# winograd (avx2), measured on an AVX2 host (bench --layers, forced against im2col, one run each,
+# repeated): ResNet-50 (uint8) 3x3 stride-1 layers 1.89 -> 1.41 ms (56x56), 1.81 -> 1.26, 1.94 ->
+# 1.25, 2.42 -> 1.24 ms (7x7); IC int8 301 -> 261 us (its 16-channel layers equal, 32 and 64
+# channels 51 -> 36 and 44 -> 25 us)
+_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128, winograd=True)
 _Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15),
                                   (8, 16, 1.25)), dense=64)
 _Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
@@ -81,7 +88,11 @@ _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
 # 3 instructions per 16 MACs where SMLAL by lane takes 4 per 16 (with its loads 59 per 256
 # against 21 per 64)
 _Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), signed=True)
-_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL)
+# winograd (neon), exact instructions under qemu-aarch64 -cpu cortex-a72: IC int8's 3x3 stride-1
+# layers 715-806 k -> 338-419 k each, IC 4,193,085 -> 2,714,542 per inference. Not on SDOT
+# (neon-dotprod): its implicit GEMM takes 248 k for those layers, less than the same Winograd.
+_Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL,
+               winograd=True)
 _Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
               igemm=True)
 ISAS = {isa.name: isa for isa in (
