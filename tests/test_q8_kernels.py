@@ -192,6 +192,39 @@ def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_igemm_dot_bit_exact(dtype, tmp_path):
+    """Cortex-A78AE's implicit GEMM (SDOT) on wide_model: the 3x3 stride-2 layer's planes are
+    gathered 8 columns at a time (LD2 over 16 bytes of a row, both phases, the last columns one
+    by one), the stride-1 ones by the packer; the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(wide_model(dtype, "random"), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, "jetson-orin", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_igemm neon-dotprod ") == 3
+    assert "vld2_u8(" in src
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
+    """Cortex-A72: a 1x1 layer with K = 8 (one k-group of 16 SMULL pairs half empty) takes the
+    SMLAL GEMM even with symmetric weights, K = 12 (3/4 full) the SMULL pairs; the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 7, "symmetric")
+    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 8, 12, (1, 1), act="relu"), 0.04, lo)
+    y = conv(x, xs, 12, 10, (1, 1))
+    path = save(b.model([("x", dtype, [1, 8, 5, 7])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
+    res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
     """A K split (partial int32 sums in scratch between k blocks, the bias on the first, the
     requantisation on the last), which happens only where a panel over all of K does not fit half
