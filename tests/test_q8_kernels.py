@@ -224,6 +224,21 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
     assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
 
 
+def test_sdot_gemm_tiles_by_instructions(monkeypatch):
+    """The SDOT im2col GEMM's tile by its measured instruction counts (Q8.gemm_instr): 4x16 for
+    KWS's pointwise layers (64 x 125, 16 k-groups), 12x8 for VWW's 128-channel 6x6 ones, 8x8 for
+    VWW's K = 8 layer 3 (16 x 2304, 2 k-groups); TINYDEPLOY_TILE still forces one that fits."""
+    from tinydeploy.schedule import q8
+    from tinydeploy.targets.isa import get_isa
+    monkeypatch.delenv("TINYDEPLOY_TILE", raising=False)
+    sdot = get_isa("neon-dotprod").q8
+    assert q8._tile(sdot, 64, 125, 16) == (4, 16)
+    assert q8._tile(sdot, 128, 36, 32) == (12, 8)
+    assert q8._tile(sdot, 16, 2304, 2) == (8, 8)
+    monkeypatch.setenv("TINYDEPLOY_TILE", "8x8")
+    assert q8._tile(sdot, 64, 125, 16) == (8, 8)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
     """A K split (partial int32 sums in scratch between k blocks, the bias on the first, the

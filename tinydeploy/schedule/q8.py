@@ -138,13 +138,20 @@ def tile_fits(q: Q8, mr: int, nr: int) -> bool:
     return mr >= 1 and nr >= step and nr % step == 0 and (q.lanes != 4 or mr % 4 == 0)
 
 
-def _tile(q: Q8, rows: int, cols: int) -> tuple[int, int]:
-    """The ISA's 8-bit tile of least estimated cost, or TINYDEPLOY_TILE=MRxNR where it fits."""
+def _tile(q: Q8, rows: int, cols: int, kgn: int = 0) -> tuple[int, int]:
+    """The ISA's 8-bit tile of least estimated cost, or TINYDEPLOY_TILE=MRxNR where it fits. With
+    `kgn` (the im2col GEMM's k-groups) on an ISA with measured tile costs (Q8.gemm_instr): the
+    fewest instructions, every tile (edges included) costing a whole one."""
     forced = os.environ.get("TINYDEPLOY_TILE", "")
     if forced:
         mr, nr = (int(v) for v in forced.lower().split("x"))
         if tile_fits(q, mr, nr):
             return mr, nr
+    if kgn and q.gemm_instr:
+        def instr(t):
+            mr, nr, per_k, short, long_ = t
+            return -(-rows // mr) * -(-cols // nr) * (kgn * per_k + (short if kgn <= 4 else long_))
+        return min(q.gemm_instr, key=instr)[:2]
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
@@ -224,7 +231,7 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     kg = q.kgroup
     kgn = -(-kk // kg)
     cols = p["OH"] * p["OW"]
-    mr, nr = _tile(q, mg, cols)
+    mr, nr = _tile(q, mg, cols, kgn)
     mp = _round_up(mg, mr)
     gb = _group_bytes(q)
     l1, l2 = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288)

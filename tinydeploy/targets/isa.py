@@ -39,6 +39,10 @@ class Q8:
     fit_cols: int = 0
     igemm: bool = False
     pairs: "Q8 | None" = None
+    # the im2col GEMM's tiles by instruction count (schedule/q8.py _tile): (MR, NR, instructions
+    # per k-group, per tile where the k loop is short (<= 4 k-groups: unrolled whole), per tile
+    # otherwise), fitted to exact counts; empty: the tiles' relative costs decide
+    gemm_instr: tuple[tuple[int, int, float, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,13 @@ _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
 # against 21 per 64)
 _Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), signed=True)
 _Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL)
+# SDOT's im2col GEMM tiles, fitted to the exact counts of every MLPerf Tiny int8 GEMM layer on
+# jetson-orin under each tile (qemu-aarch64): 4x16 takes 5-8% fewer instructions than 8x8 on the
+# long-K layers with many columns (KWS's pointwise 63.7 k -> 60.5 k, VWW layers 7-11), 12x8 on
+# the few-column ones (VWW 13-27), 8x8 on VWW's K = 8 layer 3 (92.6 k against 100 k)
 _Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
-              igemm=True)
+              igemm=True, gemm_instr=((8, 8, 20.6, 125.0, 169.0), (4, 16, 21.1, 131.0, 142.0),
+                                      (12, 8, 30.5, 137.0, 190.0)))
 ISAS = {isa.name: isa for isa in (
     ISA("ref", "portable C99, the fallback of every ISA", tiles=((4, 8, 1.0),), ref_cost=1.5, winograd_lanes=8),
     ISA("avx2", "x86-64 AVX2 + FMA (ymm)", features=("avx2", "fma"), ref_cost=5.0, winograd_lanes=8,
