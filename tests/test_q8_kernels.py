@@ -192,19 +192,26 @@ def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_aarch64_igemm_dot_bit_exact(dtype, tmp_path):
-    """Cortex-A78AE's implicit GEMM (SDOT) on wide_model: the 3x3 stride-2 layer's planes are
-    gathered 8 columns at a time (LD2 over 16 bytes of a row, both phases, the last columns one
-    by one), the stride-1 ones by the packer; the same bits."""
+@pytest.mark.parametrize("board, algo", [("jetson-orin", "auto"), ("jetson-orin", "qconv2d_gemm"),
+                                         ("rpi4", "qconv2d_gemm")])
+def test_aarch64_wide_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
+    """wide_model on Cortex-A: the implicit GEMM (SDOT) gathers the 3x3 stride-2 layer's planes 8
+    columns at a time (LD2 over 16 bytes of a row, both phases, the last columns one by one);
+    forced to im2col, the rows of output rows longer than 8 come from the padded planes by
+    memcpy, the stride-2 planes are built 16 columns at a time by LD2 (SDOT, SMULL pairs); the
+    same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
-    path = save(wide_model(dtype, "random"), tmp_path)
+    monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
+    path = save(wide_model(dtype, "symmetric"), tmp_path)
     for seed in (0, 1):
-        res = flow.run(path, "jetson-orin", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert src.count("[qconv2d_igemm neon-dotprod ") == 3
-    assert "vld2_u8(" in src
+    if algo == "auto":
+        assert src.count("[qconv2d_igemm neon-dotprod ") == 3 and "vld2_u8(" in src
+    else:
+        assert src.count(" im2col planes] ") == 3 and "vld2q_u8(" in src
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -263,6 +270,32 @@ def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
             src = (tmp_path / f"{weights}-{board}" / "td_kernels.c").read_text()
             assert "if (!last)" in src
             assert ("[qconv2d_gemm neon smull " in src) == (board == "rpi4" and weights == "symmetric")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_aarch64_im2col_planes_bit_exact(threads, tmp_path, monkeypatch):
+    """The im2col GEMM's padded planes with a K split (2 KiB caches: the planes after the partial
+    sums in scratch) on a 3x3 stride-2 padded layer over 64 channels, and on two threads (each
+    builds its group's planes in its own scratch), on rpi4 and jetson-orin; the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    from tinydeploy.targets import boards
+    if threads == 1:
+        real = boards.Board.make_target
+        monkeypatch.setattr(boards.Board, "make_target",
+                            lambda self: dataclasses.replace(real(self), l1d_bytes=2048, l2_bytes=2048))
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_gemm")
+    b, conv, _, _ = _chain_layers(np.uint8, 9, "symmetric")
+    y = conv(b.dq("x", 0.02, 131, np.uint8), 0.02, 64, 13, (3, 3), (2, 2), (1, 2, 0, 1), act="relu")
+    path = save(b.model([("x", np.uint8, [1, 64, 9, 23])], [(b.q(y, 0.3, 7, np.uint8), np.uint8)]), tmp_path)
+    for board in ("rpi4", "jetson-orin"):
+        res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True,
+                       threads=threads)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        src = (tmp_path / board / "td_kernels.c").read_text()
+        assert " im2col planes" in src
+        assert ("if (!last)" in src) == (threads == 1)
+        assert ("omp parallel" in src) == (threads == 2)
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

@@ -180,11 +180,15 @@ def _group_bytes(q: Q8) -> int:
 
 def gemm_scratch_words(p: dict) -> int:
     """int32 words of scratch one thread of qconv2d_gemm uses: the packed B block, the im2col row
-    buffers, the int32 partial sums of a split K."""
+    buffers, the int32 partial sums of a split K, the padded planes of a group (Q8.gemm_planes;
+    each thread its own; 16 bytes after the rows and after the planes for the 8-byte copies of
+    short output rows)."""
     b = -(-p["NC"] // p["NR"]) * p["NR"] * p["KCG"] * p["GB"]
-    rows = 0 if p["DIRECT"] else p["KG"] * _round_up(p["NC"], 64)
+    pl = bool(p.get("PLANES"))
+    rows = 0 if p["DIRECT"] else p["KG"] * _round_up(p["NC"], 64) + (16 if pl else 0)
     acc = 4 * p["MP"] * _round_up(p["NC"], p["NR"]) if p["KB"] > 1 else 0
-    return (_round_up(b, 64) + rows + acc) // 4
+    planes = _round_up(p["CG"] * p["PPLS"] + 16, 64) if pl else 0
+    return (_round_up(b, 64) + rows + acc + planes) // 4
 
 
 def fit_gemm(k: Kernel, room: int) -> bool:
@@ -258,10 +262,13 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
         p["OH"], p["OW"]) == (p["H"], p["W"])
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
              NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
-             ZXL=zx_loop, PADB=p["ZX"] % 256)
+             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes)
+    if p["PLANES"]:           # the padded planes of a group's channels, one per stride phase
+        hp, wp, phases, offs = dw_geometry(p)
+        p.update(PHP=hp, PWP=wp, PPH=phases, POFFS=offs, PPLS=len(phases) * hp * wp)
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    how = "direct" if direct else "im2col"
+    how = "direct" if direct else "im2col planes" if p["PLANES"] else "im2col"
     desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
