@@ -170,7 +170,9 @@ def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkey
     assert _kernels(tmp_path / "b") == _aarch64_kernels(algo)
     assert ("vdotq_" in src) == (board == "jetson-orin")
     pairs = board == "rpi4" and weights == "symmetric"
-    assert src.count("[qconv2d_gemm neon smull ") == (src.count("[qconv2d_gemm ") if pairs else 0)
+    # SMULL pairs where K fills 7/8 of its k-groups of 16: the im2col layers' K = 45, 180, 150
+    # (forced), not the pointwise K = 13 nor the grouped K = 27
+    assert src.count("[qconv2d_gemm neon smull ") == ({"auto": 0, "qconv2d_gemm": 3}[algo] if pairs else 0)
     assert ("[qdense_packed neon smull " in src) == pairs
 
 
@@ -217,13 +219,13 @@ def test_aarch64_wide_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
     """Cortex-A72: a 1x1 layer with K = 8 (one k-group of 16 SMULL pairs half empty) takes the
-    SMLAL GEMM even with symmetric weights, K = 12 (3/4 full) the SMULL pairs; the same bits."""
+    SMLAL GEMM even with symmetric weights, K = 16 the SMULL pairs; the same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     lo, hi = qrange(dtype)
     b, conv, requant, _ = _chain_layers(dtype, 7, "symmetric")
-    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 8, 12, (1, 1), act="relu"), 0.04, lo)
-    y = conv(x, xs, 12, 10, (1, 1))
+    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 8, 16, (1, 1), act="relu"), 0.04, lo)
+    y = conv(x, xs, 16, 10, (1, 1))
     path = save(b.model([("x", dtype, [1, 8, 5, 7])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
     res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True)
     assert res["exact_reference"]["identical"] and res["outputs_match"], res
