@@ -252,6 +252,24 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
     assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
 
 
+@pytest.mark.parametrize("case", ["dilated", "zp-max-padded", "grouped-5x2", "no-bias-1d"])
+def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
+    """The im2col GEMM's padded planes forced on tests/test_quantized.py's awkward shapes
+    (dilation 2 over padding 2, asymmetric padding with zero points at the ends of their range,
+    stride 1 x 2 in groups, a 1 x 3 window over one row), int8 and uint8, on rpi4 (random
+    weights: SMLAL) and jetson-orin (SDOT); the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    from test_quantized import _conv_model
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_gemm")
+    for dtype in (np.int8, np.uint8):
+        path = save(_conv_model(case, dtype), tmp_path)
+        for board in ("rpi4", "jetson-orin"):
+            res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], (case, dtype, board, res)
+            assert " im2col planes] " in (tmp_path / board / "td_kernels.c").read_text()
+
+
 def test_sdot_gemm_tiles_by_instructions(monkeypatch):
     """The SDOT im2col GEMM's tile by its measured instruction counts (Q8.gemm_instr): 4x16 for
     KWS's pointwise layers (64 x 125, 16 k-groups), 12x8 for VWW's 128-channel 6x6 ones, 8x8 for
