@@ -220,19 +220,21 @@ def test_aarch64_wide_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
 def test_aarch64_igemm_stride2_rows_bit_exact(dtype, tmp_path):
     """A 3x3 stride-2 layer padded by one column over 16 channels and 32 columns (IC's layer 6
     in small): the implicit GEMM's planes are gathered by LD2, for the phase whose 32 bytes would
-    run past the row from the byte before it (the odd half); SMULL pairs on rpi4, SDOT on
-    jetson-orin; the same bits."""
+    run past the row from the byte before it (the odd half), and its tiles are the output rows'
+    (16 columns: whole tiles), stored in place; SMULL pairs on rpi4, SDOT on jetson-orin; the
+    same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     lo, hi = qrange(dtype)
     b, conv, _, _ = _chain_layers(dtype, 11, "symmetric")
-    y = conv(b.dq("x", 0.03, lo + 100, dtype), 0.03, 16, 8, (3, 3), (2, 2), (1, 1, 1, 1), act="relu")
-    path = save(b.model([("x", dtype, [1, 16, 5, 32])], [(b.q(y, 0.2, lo + 2, dtype), dtype)]), tmp_path)
+    y = conv(b.dq("x", 0.03, lo + 100, dtype), 0.03, 16, 16, (3, 3), (2, 2), (1, 1, 1, 1), act="relu")
+    path = save(b.model([("x", dtype, [1, 16, 9, 32])], [(b.q(y, 0.2, lo + 2, dtype), dtype)]), tmp_path)
     for board in ("rpi4", "jetson-orin"):
         res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
         src = (tmp_path / board / "td_kernels.c").read_text()
         assert ("- 1).val[1]" in src and "[qconv2d_igemm neon smull " in src) if board == "rpi4" else "vld2_u8(" in src
+        assert "stored in place" in src
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

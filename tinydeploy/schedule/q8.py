@@ -323,10 +323,13 @@ def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> K
     if q.flavour == "dot":                  # four bytes of the zero point (as the kernel reads x)
         padv = int(np.array([((p["ZX"] % 256) ^ (0x80 if flip else 0)) * 0x01010101], np.uint32).view(np.int32)[0])
     unit = {"mlal": 2, "smull": 16}.get(q.flavour, 4)          # bytes per plane element
+    # Cortex-A: where whole tiles make up an output row, the tiles are the output rows' (none of
+    # the flattened planes' WP - OW columns per row that are not outputs), stored in place
+    rows = get_isa(isa).q8.igemm and p["OW"] % nr == 0
     p.update(algo="qconv2d_igemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=cgn * taps, CGN=cgn, PLS=pls, HP=hp,
              WP=wp, PHASES=phases, OFFS=offs, FLAT=flat, FLATP=flatp, PLANES=planes, MR=mr, NR=nr, MP=mp,
-             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv, PADB=(p["ZX"] % 256) ^ (0x80 if flip else 0))
-    scratch = unit * planes + _round_up(p["M"] * flatp, 64)
+             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv, PADB=(p["ZX"] % 256) ^ (0x80 if flip else 0), ROWS=rows)
+    scratch = unit * planes + (0 if rows else _round_up(p["M"] * flatp, 64))
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     desc = f"[qconv2d_igemm {isa}{_tag(q)} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_igemm", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
