@@ -316,8 +316,9 @@ def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_aarch64_im2col_planes_bit_exact(threads, tmp_path, monkeypatch):
     """The im2col GEMM's padded planes with a K split (2 KiB caches: the planes after the partial
-    sums in scratch) on a 3x3 stride-2 padded layer over 64 channels, and on two threads (each
-    builds its group's planes in its own scratch), on rpi4 and jetson-orin; the same bits."""
+    sums in scratch) on a 3x3 stride-2 padded layer over 64 channels and a 1x1 stride-2 one (its
+    planes are its im2col rows), and on two threads (each builds its group's planes in its own
+    scratch), on rpi4 and jetson-orin; the same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     from tinydeploy.targets import boards
@@ -326,15 +327,17 @@ def test_aarch64_im2col_planes_bit_exact(threads, tmp_path, monkeypatch):
         monkeypatch.setattr(boards.Board, "make_target",
                             lambda self: dataclasses.replace(real(self), l1d_bytes=2048, l2_bytes=2048))
     monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_gemm")
-    b, conv, _, _ = _chain_layers(np.uint8, 9, "symmetric")
-    y = conv(b.dq("x", 0.02, 131, np.uint8), 0.02, 64, 13, (3, 3), (2, 2), (1, 2, 0, 1), act="relu")
-    path = save(b.model([("x", np.uint8, [1, 64, 9, 23])], [(b.q(y, 0.3, 7, np.uint8), np.uint8)]), tmp_path)
+    b, conv, requant, _ = _chain_layers(np.uint8, 9, "symmetric")
+    x, xs = requant(conv(b.dq("x", 0.02, 131, np.uint8), 0.02, 64, 48, (3, 3), (2, 2), (1, 2, 0, 1), act="relu"),
+                    0.3, 7)
+    y = conv(x, xs, 48, 13, (1, 1), (2, 2))
+    path = save(b.model([("x", np.uint8, [1, 64, 9, 23])], [(b.q(y, 0.2, 200, np.uint8), np.uint8)]), tmp_path)
     for board in ("rpi4", "jetson-orin"):
         res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True,
                        threads=threads)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
         src = (tmp_path / board / "td_kernels.c").read_text()
-        assert " im2col planes" in src
+        assert src.count(" im2col planes") == 2 and "channel k_'s plane" in src
         assert ("if (!last)" in src) == (threads == 1)
         assert ("omp parallel" in src) == (threads == 2)
 

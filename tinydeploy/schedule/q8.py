@@ -186,7 +186,8 @@ def gemm_scratch_words(p: dict) -> int:
     short output rows)."""
     b = -(-p["NC"] // p["NR"]) * p["NR"] * p["KCG"] * p["GB"]
     pl = bool(p.get("PLANES"))
-    rows = 0 if p["DIRECT"] else p["KG"] * _round_up(p["NC"], 64) + (16 if pl else 0)
+    prows = pl and p["KH"] * p["KW"] == 1       # a 1x1 window: the planes' rows are the im2col rows
+    rows = 0 if p["DIRECT"] or prows else p["KG"] * _round_up(p["NC"], 64) + (16 if pl else 0)
     acc = 4 * p["MP"] * _round_up(p["NC"], p["NR"]) if p["KB"] > 1 else 0
     planes = _round_up(p["CG"] * p["PPLS"] + 16, 64) if pl else 0
     return (_round_up(b, 64) + rows + acc + planes) // 4
