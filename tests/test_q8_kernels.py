@@ -170,7 +170,9 @@ def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkey
     assert _kernels(tmp_path / "b") == _aarch64_kernels(algo)
     assert ("vdotq_" in src) == (board == "jetson-orin")
     pairs = board == "rpi4" and weights == "symmetric"
-    assert src.count("[qconv2d_gemm neon smull ") == (src.count("[qconv2d_gemm ") if pairs else 0)
+    # SMULL pairs where K fills 7/8 of its k-groups of 16: the im2col layers' K = 45, 180, 150
+    # (forced), not the pointwise K = 13 nor the grouped K = 27
+    assert src.count("[qconv2d_gemm neon smull ") == ({"auto": 0, "qconv2d_gemm": 3}[algo] if pairs else 0)
     assert ("[qdense_packed neon smull " in src) == pairs
 
 
@@ -191,6 +193,100 @@ def test_aarch64_igemm_pairs_bit_exact(weights, dtype, tmp_path, monkeypatch):
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert src.count("[qconv2d_igemm neon smull ") == (3 if weights == "symmetric" else 0)
     assert src.count("[qconv2d_igemm neon ") == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("board, algo", [("jetson-orin", "auto"), ("jetson-orin", "qconv2d_gemm"),
+                                         ("rpi4", "qconv2d_gemm")])
+def test_aarch64_wide_bit_exact(board, algo, dtype, tmp_path, monkeypatch):
+    """wide_model on Cortex-A: the implicit GEMM (SDOT) gathers the 3x3 stride-2 layer's planes 8
+    columns at a time (LD2 over 16 bytes of a row, both phases, the last columns one by one);
+    forced to im2col, the rows of output rows longer than 8 come from the padded planes by
+    memcpy, the stride-2 planes are built 16 columns at a time by LD2 (SDOT, SMULL pairs); the
+    same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
+    path = save(wide_model(dtype, "symmetric"), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    if algo == "auto":
+        assert src.count("[qconv2d_igemm neon-dotprod ") == 3 and "vld2_u8(" in src
+    else:
+        assert src.count(" im2col planes] ") == 3 and "vld2q_u8(" in src
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_igemm_stride2_rows_bit_exact(dtype, tmp_path):
+    """A 3x3 stride-2 layer padded by one column over 16 channels and 32 columns (IC's layer 6
+    in small): the implicit GEMM's planes are gathered by LD2, for the phase whose 32 bytes would
+    run past the row from the byte before it (the odd half), and its tiles are the output rows'
+    (16 columns: whole tiles), stored in place; SMULL pairs on rpi4, SDOT on jetson-orin; the
+    same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    lo, hi = qrange(dtype)
+    b, conv, _, _ = _chain_layers(dtype, 11, "symmetric")
+    y = conv(b.dq("x", 0.03, lo + 100, dtype), 0.03, 16, 16, (3, 3), (2, 2), (1, 1, 1, 1), act="relu")
+    path = save(b.model([("x", dtype, [1, 16, 9, 32])], [(b.q(y, 0.2, lo + 2, dtype), dtype)]), tmp_path)
+    for board in ("rpi4", "jetson-orin"):
+        res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        src = (tmp_path / board / "td_kernels.c").read_text()
+        assert ("- 1).val[1]" in src and "[qconv2d_igemm neon smull " in src) if board == "rpi4" else "vld2_u8(" in src
+        assert "stored in place" in src
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
+    """Cortex-A72: a 1x1 layer with K = 8 (one k-group of 16 SMULL pairs half empty) takes the
+    SMLAL GEMM even with symmetric weights, K = 16 the SMULL pairs; the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 7, "symmetric")
+    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 8, 16, (1, 1), act="relu"), 0.04, lo)
+    y = conv(x, xs, 16, 10, (1, 1))
+    path = save(b.model([("x", dtype, [1, 8, 5, 7])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
+    res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
+
+
+@pytest.mark.parametrize("case", ["dilated", "zp-max-padded", "grouped-5x2", "no-bias-1d"])
+def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
+    """The im2col GEMM's padded planes forced on tests/test_quantized.py's awkward shapes
+    (dilation 2 over padding 2, asymmetric padding with zero points at the ends of their range,
+    stride 1 x 2 in groups, a 1 x 3 window over one row), int8 and uint8, on rpi4 (random
+    weights: SMLAL) and jetson-orin (SDOT); the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    from test_quantized import _conv_model
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_gemm")
+    for dtype in (np.int8, np.uint8):
+        path = save(_conv_model(case, dtype), tmp_path)
+        for board in ("rpi4", "jetson-orin"):
+            res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], (case, dtype, board, res)
+            assert " im2col planes] " in (tmp_path / board / "td_kernels.c").read_text()
+
+
+def test_sdot_gemm_tiles_by_instructions(monkeypatch):
+    """The SDOT im2col GEMM's tile by its measured instruction counts (Q8.gemm_instr): 4x16 for
+    KWS's pointwise layers (64 x 125, 16 k-groups), 12x8 for VWW's 128-channel 6x6 ones, 8x8 for
+    VWW's K = 8 layer 3 (16 x 2304, 2 k-groups); TINYDEPLOY_TILE still forces one that fits."""
+    from tinydeploy.schedule import q8
+    from tinydeploy.targets.isa import get_isa
+    monkeypatch.delenv("TINYDEPLOY_TILE", raising=False)
+    sdot = get_isa("neon-dotprod").q8
+    assert q8._tile(sdot, 64, 125, 16) == (4, 16)
+    assert q8._tile(sdot, 128, 36, 32) == (12, 8)
+    assert q8._tile(sdot, 16, 2304, 2) == (8, 8)
+    monkeypatch.setenv("TINYDEPLOY_TILE", "8x8")
+    assert q8._tile(sdot, 64, 125, 16) == (8, 8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -217,6 +313,35 @@ def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
             src = (tmp_path / f"{weights}-{board}" / "td_kernels.c").read_text()
             assert "if (!last)" in src
             assert ("[qconv2d_gemm neon smull " in src) == (board == "rpi4" and weights == "symmetric")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_aarch64_im2col_planes_bit_exact(threads, tmp_path, monkeypatch):
+    """The im2col GEMM's padded planes with a K split (2 KiB caches: the planes after the partial
+    sums in scratch) on a 3x3 stride-2 padded layer over 64 channels and a 1x1 stride-2 one (its
+    planes are its im2col rows), and on two threads (each builds its group's planes in its own
+    scratch), on rpi4 and jetson-orin; the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    from tinydeploy.targets import boards
+    if threads == 1:
+        real = boards.Board.make_target
+        monkeypatch.setattr(boards.Board, "make_target",
+                            lambda self: dataclasses.replace(real(self), l1d_bytes=2048, l2_bytes=2048))
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_gemm")
+    b, conv, requant, _ = _chain_layers(np.uint8, 9, "symmetric")
+    x, xs = requant(conv(b.dq("x", 0.02, 131, np.uint8), 0.02, 64, 48, (3, 3), (2, 2), (1, 2, 0, 1), act="relu"),
+                    0.3, 7)
+    y = conv(x, xs, 48, 13, (1, 1), (2, 2))
+    path = save(b.model([("x", np.uint8, [1, 64, 9, 23])], [(b.q(y, 0.2, 200, np.uint8), np.uint8)]), tmp_path)
+    for board in ("rpi4", "jetson-orin"):
+        res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True,
+                       threads=threads)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        src = (tmp_path / board / "td_kernels.c").read_text()
+        assert src.count(" im2col planes") == 2 and "channel k_'s plane" in src
+        assert ("if (!last)" in src) == (threads == 1)
+        assert ("omp parallel" in src) == (threads == 2)
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

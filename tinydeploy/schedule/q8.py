@@ -16,9 +16,9 @@ descriptor says how it multiplies exactly:
         accumulator fits, quant.fit_int32 proved it, so the wrapped sum is the reference's)
   mlal  int16 x int16 products widened into int32 lanes (Arm SMLAL by lane), activations as madd.
   smull the im2col GEMM of an mlal ISA where the layer's int8 weights hold no -128 (Q8.pairs,
-        checked here at build time): int8 x int8 products in int16 (SMULL), two summed (SMLAL2;
-        |pair| <= 2 * 127 * 128 < 2^15), pairs of those into int32 (SADALP); activations and bias
-        as for dot (signed).
+        checked here at build time) and K fills 7/8 of its k-groups of 16 or more: int8 x int8
+        products in int16 (SMULL), two summed (SMLAL2; |pair| <= 2 * 127 * 128 < 2^15), pairs of
+        those into int32 (SADALP); activations and bias as for dot (signed).
 
 Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
 qdense_packed.c.j2; the ISA pieces in _q8.j2):
@@ -142,20 +142,33 @@ def tile_fits(q: Q8, mr: int, nr: int) -> bool:
     return mr >= 1 and nr >= step and nr % step == 0 and (q.lanes != 4 or mr % 4 == 0)
 
 
-def _tile(q: Q8, rows: int, cols: int) -> tuple[int, int]:
-    """The ISA's 8-bit tile of least estimated cost, or TINYDEPLOY_TILE=MRxNR where it fits."""
+def _tile(q: Q8, rows: int, cols: int, kgn: int = 0) -> tuple[int, int]:
+    """The ISA's 8-bit tile of least estimated cost, or TINYDEPLOY_TILE=MRxNR where it fits. With
+    `kgn` (the im2col GEMM's k-groups) on an ISA with measured tile costs (Q8.gemm_instr): the
+    fewest instructions, every tile (edges included) costing a whole one."""
     forced = os.environ.get("TINYDEPLOY_TILE", "")
     if forced:
         mr, nr = (int(v) for v in forced.lower().split("x"))
         if tile_fits(q, mr, nr):
             return mr, nr
+    if kgn and q.gemm_instr:
+        def instr(t):
+            mr, nr, per_k, short, long_ = t
+            return -(-rows // mr) * -(-cols // nr) * (kgn * per_k + (short if kgn <= 4 else long_))
+        return min(q.gemm_instr, key=instr)[:2]
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
 def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
     """The descriptor the im2col GEMM of this layer uses: the ISA's, or its `pairs` flavour where
-    the weights are int8 with no -128 (checked here, at build time)."""
-    if q.pairs is not None and k.params["TW"] in q.pairs.weights and w.size and int(w.min()) > -128:
+    the weights are int8 with no -128 (checked here, at build time) and its k-groups spend at
+    most an eighth of their bytes on padding. Measured on rpi4 (exact instructions): VWW's layer
+    3 (K = 8, one k-group of 16 half empty) 259 k with SMULL pairs against 187 k with SMLAL, KWS's
+    first layer (K = 40 in 48) 153 k against 139 k; whole k-groups (K = 16, 32, 64) 127 k, 204 k
+    and 174 k against 142 k, 251 k and 223 k."""
+    padded = _round_up(w.shape[-1], q.pairs.kgroup) if q.pairs is not None else 0
+    if q.pairs is not None and k.params["TW"] in q.pairs.weights and w.size and int(w.min()) > -128 and (
+            8 * (padded - w.shape[-1]) <= padded):
         return q.pairs
     return q
 
@@ -172,11 +185,16 @@ def _group_bytes(q: Q8) -> int:
 
 def gemm_scratch_words(p: dict) -> int:
     """int32 words of scratch one thread of qconv2d_gemm uses: the packed B block, the im2col row
-    buffers, the int32 partial sums of a split K."""
+    buffers, the int32 partial sums of a split K, the padded planes of a group (Q8.gemm_planes;
+    each thread its own; 16 bytes after the rows and after the planes for the 8-byte copies of
+    short output rows)."""
     b = -(-p["NC"] // p["NR"]) * p["NR"] * p["KCG"] * p["GB"]
-    rows = 0 if p["DIRECT"] else p["KG"] * _round_up(p["NC"], 64)
+    pl = bool(p.get("PLANES"))
+    prows = pl and p["KH"] * p["KW"] == 1       # a 1x1 window: the planes' rows are the im2col rows
+    rows = 0 if p["DIRECT"] or prows else p["KG"] * _round_up(p["NC"], 64) + (16 if pl else 0)
     acc = 4 * p["MP"] * _round_up(p["NC"], p["NR"]) if p["KB"] > 1 else 0
-    return (_round_up(b, 64) + rows + acc) // 4
+    planes = _round_up(p["CG"] * p["PPLS"] + 16, 64) if pl else 0
+    return (_round_up(b, 64) + rows + acc + planes) // 4
 
 
 def fit_gemm(k: Kernel, room: int) -> bool:
@@ -223,7 +241,7 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     kg = q.kgroup
     kgn = -(-kk // kg)
     cols = p["OH"] * p["OW"]
-    mr, nr = _tile(q, mg, cols)
+    mr, nr = _tile(q, mg, cols, kgn)
     mp = _round_up(mg, mr)
     gb = _group_bytes(q)
     l1, l2 = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288)
@@ -250,10 +268,13 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
         p["OH"], p["OW"]) == (p["H"], p["W"])
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
              NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
-             ZXL=zx_loop, PADB=p["ZX"] % 256)
+             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes)
+    if p["PLANES"]:           # the padded planes of a group's channels, one per stride phase
+        hp, wp, phases, offs = dw_geometry(p)
+        p.update(PHP=hp, PWP=wp, PPH=phases, POFFS=offs, PPLS=len(phases) * hp * wp)
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    how = "direct" if direct else "im2col"
+    how = "direct" if direct else "im2col planes" if p["PLANES"] else "im2col"
     desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
@@ -307,10 +328,13 @@ def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> K
     if q.flavour == "dot":                  # four bytes of the zero point (as the kernel reads x)
         padv = int(np.array([((p["ZX"] % 256) ^ (0x80 if flip else 0)) * 0x01010101], np.uint32).view(np.int32)[0])
     unit = {"mlal": 2, "smull": 16}.get(q.flavour, 4)          # bytes per plane element
+    # Cortex-A: where whole tiles make up an output row, the tiles are the output rows' (none of
+    # the flattened planes' WP - OW columns per row that are not outputs), stored in place
+    rows = get_isa(isa).q8.igemm and p["OW"] % nr == 0
     p.update(algo="qconv2d_igemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=cgn * taps, CGN=cgn, PLS=pls, HP=hp,
              WP=wp, PHASES=phases, OFFS=offs, FLAT=flat, FLATP=flatp, PLANES=planes, MR=mr, NR=nr, MP=mp,
-             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv, PADB=(p["ZX"] % 256) ^ (0x80 if flip else 0))
-    scratch = unit * planes + _round_up(p["M"] * flatp, 64)
+             XOFF=off, FLIP=flip, ZXL=zx_loop, PADV=padv, PADB=(p["ZX"] % 256) ^ (0x80 if flip else 0), ROWS=rows)
+    scratch = unit * planes + (0 if rows else _round_up(p["M"] * flatp, 64))
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     desc = f"[qconv2d_igemm {isa}{_tag(q)} {mr}x{nr} {cgn} x {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_igemm", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,

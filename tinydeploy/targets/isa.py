@@ -42,6 +42,13 @@ class Q8:
     # 3x3 stride-1 one-group layers take the exact integer Winograd F(2x2, 3x3) (qconv2d_winograd,
     # schedule/q8wino.py) where the weights prove it exact
     winograd: bool = False
+    # the im2col GEMM's tiles by instruction count (schedule/q8.py _tile): (MR, NR, instructions
+    # per k-group, per tile where the k loop is short (<= 4 k-groups: unrolled whole), per tile
+    # otherwise), fitted to exact counts; empty: the tiles' relative costs decide
+    gemm_instr: tuple[tuple[int, int, float, float, float], ...] = ()
+    # the im2col GEMM gathers its rows from zero-point-padded planes of the input, one per stride
+    # phase (copied once per image and group), rather than from the image with bounds per row
+    gemm_planes: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,14 +94,19 @@ _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
 # SMULL pairs: a 4 x 4 tile of int32x4 partial sums (16 accumulators, 4 + 4 q registers of bytes):
 # 3 instructions per 16 MACs where SMLAL by lane takes 4 per 16 (with its loads 59 per 256
 # against 21 per 64)
-_Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), signed=True)
+_Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), signed=True, gemm_planes=True)
 # winograd (neon), exact instructions under qemu-aarch64 -cpu cortex-a72: IC int8's 3x3 stride-1
 # layers 715-806 k -> 338-419 k each, IC 4,193,085 -> 2,714,542 per inference. Not on SDOT
 # (neon-dotprod): its implicit GEMM takes 248 k for those layers, less than the same Winograd.
 _Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL,
-               winograd=True)
+              winograd=True, gemm_planes=True)
+# SDOT's im2col GEMM tiles, fitted to the exact counts of every MLPerf Tiny int8 GEMM layer on
+# jetson-orin under each tile (qemu-aarch64): 4x16 takes 5-8% fewer instructions than 8x8 on the
+# long-K layers with many columns (KWS's pointwise 63.7 k -> 60.5 k, VWW layers 7-11), 12x8 on
+# the few-column ones (VWW 13-27), 8x8 on VWW's K = 8 layer 3 (92.6 k against 100 k)
 _Q8_SDOT = Q8("dot", 4, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, weights=("int8_t",), signed=True,
-              igemm=True)
+              igemm=True, gemm_instr=((8, 8, 20.6, 125.0, 169.0), (4, 16, 21.1, 131.0, 142.0),
+                                      (12, 8, 30.5, 137.0, 190.0)), gemm_planes=True)
 ISAS = {isa.name: isa for isa in (
     ISA("ref", "portable C99, the fallback of every ISA", tiles=((4, 8, 1.0),), ref_cost=1.5, winograd_lanes=8),
     ISA("avx2", "x86-64 AVX2 + FMA (ymm)", features=("avx2", "fma"), ref_cost=5.0, winograd_lanes=8,
