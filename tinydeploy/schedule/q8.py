@@ -348,8 +348,16 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
         ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     w = _conv_weights(g, k)                                   # [C][taps]
+    if q.flavour == "mlal":                   # int8 weights without -128: SMULL pairs on byte planes
+        q = _gemm_q8(q, k, w)
     consts = {}
-    if q.flavour == "madd":                   # tap pairs as int16 words, the last paired with 0
+    wtaps = taps
+    if q.flavour == "smull":                  # int8 taps, one row per channel
+        wtaps = _round_up(taps, 16)
+        wt = np.zeros((p["C"], wtaps), np.int64)
+        wt[:, :taps] = w
+        wdat = wt.astype(np.int8)
+    elif q.flavour == "madd":                   # tap pairs as int16 words, the last paired with 0
         npair = -(-taps // 2)
         wt = np.zeros((p["C"], npair * 2), np.int64)
         wt[:, :taps] = w
@@ -361,11 +369,16 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
-             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop)
-    # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes)
-    scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
+             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop,
+             WTAPS=wtaps)
+    # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes;
+    # smull: the output bytes, then the byte planes)
+    if q.flavour == "smull":
+        scratch = _round_up(span, 64) + plane_len
+    else:
+        scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    desc = f"[qconv2d_dw {isa} {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    desc = f"[qconv2d_dw {isa}{_tag(q)} {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts, scratch_dtype="int32")
 
 
