@@ -346,10 +346,17 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     for ph in phases:                 # the plane rows [rlo, rhi) that come from the image
         ph["rlo"] = min(max(0, -(-(p["PT"] - ph["py"]) // p["SH"])), hp)
         ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
+        # stride 2 (NEON): 16- then 8-byte LD2 vectors from `lo` while their input lies in the row
+        # (input column 2 jj + px - PL) and their output in [lo, hi); the rest byte by byte
+        jj, ph["v16"], ph["v8"] = ph["lo"], 0, 0
+        for n, key in ((16, "v16"), (8, "v8")):
+            while p["SW"] == 2 and jj + n <= ph["hi"] and 2 * jj + 2 * n - 1 + ph["px"] - p["PL"] <= p["W"] - 1:
+                ph[key] += 1
+                jj += n
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     w = _conv_weights(g, k)                                   # [C][taps]
-    if q.flavour == "mlal":                   # int8 weights without -128: SMULL pairs on byte planes
-        q = _gemm_q8(q, k, w)
+    if q.flavour == "mlal" and span > lanes:  # int8 weights without -128: SMULL pairs on byte planes
+        q = _gemm_q8(q, k, w)                 # (one vector a channel: SMLAL's two weight loads cost less)
     consts = {}
     wtaps = taps
     if q.flavour == "smull":                  # int8 taps, one row per channel
