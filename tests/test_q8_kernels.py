@@ -107,6 +107,7 @@ def dw_model(dtype, weights, zx="lo"):
     x, xs = requant(conv(x, xs, 7, 7, (5, 5), pads=(2, 2, 2, 2), group=7), 0.02, (lo + hi) // 2)
     x, xs = requant(conv(x, xs, 7, 7, (3, 3), (2, 2), (1, 0, 2, 1), group=7), 0.02, lo + 1)  # 3x9
     x, xs = requant(conv(x, xs, 7, 7, (3, 3), pads=(1, 1, 1, 1), group=7, act="relu"), 0.01, hi - 3)
+    x, xs = requant(conv(x, xs, 7, 7, (3, 3), pads=(0, 2, 2, 0), group=7), 0.01, lo + 5)   # rows, PL = 2
     y = conv(x, xs, 7, 7, (3, 3), group=7)                          # unpadded: 1x7, one vector
     return b.model([("x", dtype, [1, 7, 9, 40])], [(b.q(y, 0.05, 0, dtype), dtype)])
 
@@ -238,9 +239,10 @@ def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
 def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
-    """The NEON depthwise kernels (qconv2d_dw.c.j2) on every edge of dw_model: int8 weights
-    without -128 take the SMULL pairs over byte planes (but for a plane of one vector), a -128
-    keeps SMLAL over int16 planes."""
+    """The NEON depthwise kernels (qconv2d_dw.c.j2) on every edge of dw_model: on Cortex-A72 int8
+    weights without -128 take the SMULL pairs over byte planes (but for a plane of one vector), a
+    -128 keeps SMLAL over int16 planes; Cortex-A78AE takes SDOT over words of 4 plane bytes
+    whatever the weights; both in the row form where it applies."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     for zx in ("lo", "hi"):
@@ -249,8 +251,10 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
             res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
             assert res["exact_reference"]["identical"] and res["outputs_match"], res
         src = (tmp_path / "b" / "td_kernels.c").read_text()
-        assert src.count("[qconv2d_dw ") == 6
-        assert src.count("[qconv2d_dw neon smull ") == (5 if weights == "symmetric" else 0)
+        assert src.count("[qconv2d_dw ") == 7
+        assert src.count("[qconv2d_dw neon smull ") == (6 if weights == "symmetric" and board == "rpi4" else 0)
+        # the row form (stride 1, 3 wide, as wide as the image): 9x40, 3x9 and PL = 2
+        assert src.count(" rows 1 x ") == (3 if weights == "symmetric" or board == "jetson-orin" else 0)
         assert "vld2q_" in src and "vld2_" in src
 
 

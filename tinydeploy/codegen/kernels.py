@@ -81,7 +81,7 @@ VARIANTS = (
     # whose Q8 descriptor multiplies the layer's weight type)
     Variant("qconv2d_gemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_gemm.c.j2"),
     Variant("qconv2d_igemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_igemm.c.j2"),
-    Variant("qconv2d_dw", ("s8", "u8"), ("avx512bw", "avx2", "neon"), "qconv2d_dw.c.j2"),
+    Variant("qconv2d_dw", ("s8", "u8"), ("avx512bw", "avx2", "neon-dotprod", "neon"), "qconv2d_dw.c.j2"),
     Variant("qdense_packed", ("s8", "u8"), _Q8_ISAS, "qdense_packed.c.j2"),
     Variant("qdense", ("s8", "u8"), ("cortex-m4-dsp",), "qdense_cortex-m4-dsp.c.j2"),
     Variant("qadd", ("s8", "u8"), ("cortex-m4-dsp",), "qadd_cortex-m4-dsp.c.j2"),

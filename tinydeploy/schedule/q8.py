@@ -332,17 +332,71 @@ def dw_geometry(p: dict) -> tuple[int, int, list[dict], list[int]]:
     return hp, wp, ph, offs
 
 
+def dw_runs(offs: list[int]) -> list[tuple[int, list[int]]]:
+    """The depthwise taps (by their plane offsets) in runs for SDOT: sorted by offset, each run
+    the taps whose offsets lie in [o, o + 4) of its first one, o; a run's word at output j holds
+    the plane bytes j + o .. j + o + 3 (a 3x3 stride-1 window: one run per kernel row; small
+    planes' runs may span rows)."""
+    runs: list[tuple[int, list[int]]] = []
+    for t in sorted(range(len(offs)), key=lambda t: offs[t]):
+        if runs and offs[t] < runs[-1][0] + 4:
+            runs[-1][1].append(t)
+        else:
+            runs.append((offs[t], [t]))
+    return runs
+
+
+def dw_rows(p: dict, flavour: str) -> bool:
+    """Whether a depthwise layer takes the NEON byte kernels' row form: stride 1, windows at most
+    4 wide, undilated, as wide as the image (PL + PR = KW - 1), so an output's flat index oy*OW + ox
+    is its input's and no plane has gap columns: per window column kx a copy of the plane shifted
+    by kx - PL with the input zero point where that leaves the row (masks built here), and the
+    outputs stored straight into the output plane."""
+    return (flavour in ("smull", "dot") and p["SH"] == p["SW"] == p["DH"] == p["DW"] == 1 and p["KW"] <= 4
+            and p["OW"] == p["W"])
+
+
+def _row_masks(p: dict, nword: int) -> np.ndarray:
+    """[KW][nword] bytes: 0xff where position i of the row form's shifted plane kx (image row
+    i // W - PT, column i % W) reads inside its row (column + kx - PL in [0, W)), else 0."""
+    col = np.arange(nword) % p["W"]
+    return np.stack([np.where((col + kx - p["PL"] >= 0) & (col + kx - p["PL"] < p["W"]), 255, 0)
+                     for kx in range(p["KW"])]).astype(np.uint8)
+
+
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
     hp, wp, phases, offs = dw_geometry(p)
     taps = p["KH"] * p["KW"]
     # outputs per iteration: two vectors of int32 (x86), four (neon)
-    lanes = 4 * q.lanes if q.flavour == "mlal" else 2 * q.lanes
+    lanes = 4 * q.lanes if q.flavour in ("mlal", "dot") else 2 * q.lanes
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    w = _conv_weights(g, k)                                   # [C][taps]
+    if q.flavour == "mlal" and _round_up(p["OH"] * wp, lanes) > lanes:
+        q = _gemm_q8(q, k, w)   # int8 weights without -128: SMULL pairs on byte planes (but for one vector a channel)
+    rows = dw_rows(p, q.flavour)
+    if rows:                                  # no gap columns: the row form's planes are W wide
+        hp, wp = p["OH"] + p["KH"] - 1, p["W"]
+        offs = [ky * wp + kx for ky in range(p["KH"]) for kx in range(p["KW"])]
     flat = p["OH"] * wp
     span = _round_up(flat, lanes)
     planes = len(phases) * hp * wp
     plane_len = _round_up(max(planes, max(offs) + span), 16)
+    runs, nword = [], 0
+    if rows:                                  # plane positions of the shifted copies (or words)
+        nword = _round_up((p["KH"] - 1) * wp + span, 16)
+        plane_len = _round_up(16 + nword + 16, 16)
+        if q.flavour == "smull":              # tap (ky, kx) reads shifted copy kx (kx = PL: the plane) at row ky
+            offs = [(16 if kx == p["PL"] else plane_len + kx * nword) + ky * wp
+                    for ky in range(p["KH"]) for kx in range(p["KW"])]
+    if q.flavour == "dot" and rows:           # SDOT: one run a kernel row, its word byte kx from copy kx
+        runs = [(ky * wp, list(range(ky * p["KW"], (ky + 1) * p["KW"]))) for ky in range(p["KH"])]
+    elif q.flavour == "dot":                  # SDOT: taps in runs of offsets [o, o + 4) (dw_runs)
+        runs = dw_runs(offs)
+        if not rows:
+            nword = _round_up(max(o for o, _ in runs) + span, 16)
+            plane_len = _round_up(max(planes, nword + 16), 16)   # the words' bytes, read 16 at a time
     for ph in phases:                 # the plane rows [rlo, rhi) that come from the image
         ph["rlo"] = min(max(0, -(-(p["PT"] - ph["py"]) // p["SH"])), hp)
         ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
@@ -353,17 +407,20 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
             while p["SW"] == 2 and jj + n <= ph["hi"] and 2 * jj + 2 * n - 1 + ph["px"] - p["PL"] <= p["W"] - 1:
                 ph[key] += 1
                 jj += n
-    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
-    w = _conv_weights(g, k)                                   # [C][taps]
-    if q.flavour == "mlal" and span > lanes:  # int8 weights without -128: SMULL pairs on byte planes
-        q = _gemm_q8(q, k, w)                 # (one vector a channel: SMLAL's two weight loads cost less)
     consts = {}
     wtaps = taps
-    if q.flavour == "smull":                  # int8 taps, one row per channel
+    masks = _row_masks(p, nword) if rows else np.zeros((0,), np.uint8)
+    if q.flavour == "smull":                  # int8 taps, one row per channel (then the row form's masks)
         wtaps = _round_up(taps, 16)
         wt = np.zeros((p["C"], wtaps), np.int64)
         wt[:, :taps] = w
-        wdat = wt.astype(np.int8)
+        wdat = np.concatenate([wt.astype(np.int8).reshape(-1), masks.reshape(-1).view(np.int8)])
+    elif q.flavour == "dot":                  # one int32 word of 4 int8 tap weights per run
+        wt = np.zeros((p["C"], len(runs), 4), np.int64)
+        for r, (o, ts) in enumerate(runs):
+            for t in ts:
+                wt[:, r, offs[t] - o] = w[:, t]
+        wdat = np.concatenate([group_words(wt, "dot").reshape(-1), masks.reshape(-1).view(np.int32)])
     elif q.flavour == "madd":                   # tap pairs as int16 words, the last paired with 0
         npair = -(-taps // 2)
         wt = np.zeros((p["C"], npair * 2), np.int64)
@@ -377,15 +434,18 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
              TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop,
-             WTAPS=wtaps)
+             WTAPS=wtaps, RUNS=[o for o, _ in runs], NWORD=nword, ROWS=rows)
     # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes;
-    # smull: the output bytes, then the byte planes)
+    # smull, dot: the output bytes, the byte planes, then the shifted copies or the words)
     if q.flavour == "smull":
-        scratch = _round_up(span, 64) + plane_len
+        scratch = _round_up(span, 64) + plane_len + (p["KW"] * nword if rows else 0)
+    elif q.flavour == "dot":
+        scratch = _round_up(span, 64) + plane_len + 4 * nword
     else:
         scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    desc = f"[qconv2d_dw {isa}{_tag(q)} {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    rtag = " rows" if rows else ""
+    desc = f"[qconv2d_dw {isa}{_tag(q)}{rtag} {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts, scratch_dtype="int32")
 
 
