@@ -352,8 +352,11 @@ def dw_rows(p: dict, flavour: str) -> bool:
     is its input's and no plane has gap columns: per window column kx a copy of the plane shifted
     by kx - PL with the input zero point where that leaves the row (masks built here), and the
     outputs stored straight into the output plane."""
+    # SMULL pairs: the shifted copies cost more than the gap columns of rows 32 or wider (rpi4,
+    # exact instructions: VWW's 48-wide layer 95.6 K flat, 100.8 K rows; 24 wide: 107.0 K, 104.3 K);
+    # SDOT builds its words either way (48 wide: 74.4 K flat, 73.1 K rows)
     return (flavour in ("smull", "dot") and p["SH"] == p["SW"] == p["DH"] == p["DW"] == 1 and p["KW"] <= 4
-            and p["OW"] == p["W"])
+            and p["OW"] == p["W"] and (flavour == "dot" or p["W"] < 32))
 
 
 def _row_masks(p: dict, nword: int) -> np.ndarray:
@@ -367,6 +370,14 @@ def _row_masks(p: dict, nword: int) -> np.ndarray:
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
+    if q.flavour == "dot" and p["SW"] > 1:
+        # strided: SDOT's words of every phase plane cost more than SMLAL / SMULL pairs on the
+        # phases (jetson-orin, exact instructions: VWW's stride-2 layers 94.4 K against 75.7 K);
+        # the next of the target's ISAs with an SMLAL depthwise kernel, if it has one
+        later = [i for i in target.isas[target.isas.index(isa) + 1:] if get_isa(i).q8 is not None
+                 and get_isa(i).q8.flavour == "mlal" and kreg.has_variant("qconv2d_dw", k.dtype, i)]
+        if later:
+            return select_qconv_dw(g, step, k, target, later[0])
     hp, wp, phases, offs = dw_geometry(p)
     taps = p["KH"] * p["KW"]
     # outputs per iteration: two vectors of int32 (x86), four (neon)
