@@ -260,7 +260,7 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
         # keep the gap columns of rows 32 or wider), 3x9 and PL = 2
         rows = 3 if board == "jetson-orin" else (2 if weights == "symmetric" else 0)
         assert src.count(" rows 1 x ") == rows
-        assert "vld2q_" in src and "vld2_" in src
+        assert "vld2q_" in src and "vld2_" in src and ").val[1]" in src      # LD2: 16 and 8, even and odd lanes
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

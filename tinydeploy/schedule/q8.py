@@ -367,6 +367,33 @@ def _row_masks(p: dict, nword: int) -> np.ndarray:
                      for kx in range(p["KW"])]).astype(np.uint8)
 
 
+def _ld2_chunks(p: dict, ph: dict) -> tuple[list[tuple[int, int, int]], int]:
+    """Stride 2 (NEON): the phase row's columns [lo, hi) (input column 2 jj + px - PL) as LD2
+    vectors (jj, n, k): n = 16 or 8 outputs from the row's bytes 2 jj - k .. 2 jj - k + 2n - 1, lane
+    set k (0: even, 1: odd), every byte read inside the row; the last vector may overlap the one
+    before (the same values written twice). Returns them and the column the bytes left to copy
+    one by one start at."""
+    c0, w = ph["px"] - p["PL"], p["W"]
+
+    def fits(jj: int, n: int) -> int | None:
+        for k in (0, 1):
+            if jj >= ph["lo"] and 2 * jj + c0 - k >= 0 and 2 * jj + c0 - k + 2 * n - 1 <= w - 1:
+                return k
+        return None
+    chunks, done = [], ph["lo"]
+    while done < ph["hi"]:
+        for n in (16, 8):
+            jj = done if done + n <= ph["hi"] else ph["hi"] - n
+            k = fits(jj, n)
+            if k is not None:
+                chunks.append((jj, n, k))
+                done = jj + n
+                break
+        else:
+            break
+    return chunks, done
+
+
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
@@ -411,13 +438,7 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     for ph in phases:                 # the plane rows [rlo, rhi) that come from the image
         ph["rlo"] = min(max(0, -(-(p["PT"] - ph["py"]) // p["SH"])), hp)
         ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
-        # stride 2 (NEON): 16- then 8-byte LD2 vectors from `lo` while their input lies in the row
-        # (input column 2 jj + px - PL) and their output in [lo, hi); the rest byte by byte
-        jj, ph["v16"], ph["v8"] = ph["lo"], 0, 0
-        for n, key in ((16, "v16"), (8, "v8")):
-            while p["SW"] == 2 and jj + n <= ph["hi"] and 2 * jj + 2 * n - 1 + ph["px"] - p["PL"] <= p["W"] - 1:
-                ph[key] += 1
-                jj += n
+        ph["ld2"], ph["tail"] = _ld2_chunks(p, ph) if p["SW"] == 2 else ([], ph["lo"])
     consts = {}
     wtaps = taps
     masks = _row_masks(p, nword) if rows else np.zeros((0,), np.uint8)
