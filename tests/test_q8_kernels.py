@@ -264,23 +264,42 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
-# a shift above 32); broadcasting keeps the reference
-NEON_ADD = {"resnet-like-relu": "ties", "saturating-zp-extremes": "round", "u8-relu": "ties",
-            "exact-ties": "ties", "large-shift": "round", "broadcast": None}
+# a shift above 32); broadcasting keeps the reference. "int32": the int32-lane form, whose
+# constants every input pair was tried with at build time (quant.params.qadd_int32; ties to even
+# at exact halves defeat it: "ties"); without it (form int64: as if it had found none), the
+# 64-bit SMLAL form, rounding half up ("round") or correcting ties ("ties")
+NEON_ADD = {"resnet-like-relu": ("int32", "ties"), "saturating-zp-extremes": ("int32", "round"),
+            "u8-relu": ("ties", "ties"), "exact-ties": ("ties", "ties"), "large-shift": ("int32", "round"),
+            "broadcast": (None, None)}
 
 
+@pytest.mark.parametrize("form", ["auto", "int64"])
 @pytest.mark.parametrize("case", list(NEON_ADD))
-def test_aarch64_qadd_bit_exact(case, tmp_path):
+def test_aarch64_qadd_bit_exact(case, form, tmp_path, monkeypatch):
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
+    if form == "int64":
+        from tinydeploy.ops import quantized
+        monkeypatch.setattr(quantized, "qadd_int32", lambda *a: None)
+    want = NEON_ADD[case][form == "int64"]
     path = tmp_path / "m.onnx"
     onnx.save(_add_model(**ADD_CASES[case][0]), str(path))
     for seed in (0, 1):
         res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert ("(neon)" in src) == (NEON_ADD[case] is not None)
-    assert ("vceqq_s64" in src) == (NEON_ADD[case] == "ties")
+    assert ("(neon)" in src) == (want is not None)
+    assert ("vshrn_n_s32(p0" in src) == (want == "int32")
+    assert ("vceqq_s64" in src) == (want == "ties")
+
+
+def test_qadd_int32_constants():
+    """quant.params.qadd_int32 on IC's first Add (MLPerf Tiny ResNet-8 int8: s' = 21), and none
+    where exact halves must round to even (0.5 a with a = 1, 3, 5: 0, 2, 2)."""
+    from tinydeploy.quant.params import qadd_int32
+    got = qadd_int32("int8", "int8", "int8", -128, 4, -128, 415133440, 1098017536, 29, -128, 127)
+    assert got is not None and got[-1] == 21
+    assert qadd_int32("int8", "int8", "int8", 0, 0, 3, 1 << 30, 1 << 29, 31, -128, 127) is None
 
 
 def test_threads_bit_exact(tmp_path):
