@@ -33,6 +33,11 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
   qconv2d_dw     depthwise (group == in == out channels): per channel a zero-padded int16 copy
                  of the plane (x - zx), one plane per stride phase, then every output of the
                  flattened plane at once: tap pairs by vpmaddwd (x86) or taps by SMLAL (neon).
+                 NEON with int8 weights: byte planes (activations as for dot, stride-2 phases
+                 by LD2), tap pairs by SMULL (no -128 in the weights, as smull above) or runs of
+                 up to 4 taps by SDOT over words of 4 plane bytes (neon-dotprod, stride 1;
+                 strided layers take the next ISA); stride-1 windows up to 4 wide as wide as the
+                 image take the row form (dw_rows): no gap columns, outputs stored in place.
   qconv2d_igemm  one-group KxK convolution as an implicit GEMM over zero-point-padded planes of
                  KG interleaved channels (no im2col; taps unrolled): on ISAs whose descriptor
                  prefers it (Cortex-A), or when forced (TINYDEPLOY_ALGO=qconv2d_igemm); see
