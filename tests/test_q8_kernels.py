@@ -112,6 +112,20 @@ def dw_model(dtype, weights, zx="lo"):
     return b.model([("x", dtype, [1, 7, 9, 40])], [(b.q(y, 0.05, 0, dtype), dtype)])
 
 
+def dw_s2_model(dtype, weights):
+    """Stride-2 depthwise layers (5 channels): 3x3 padded on every side over 40 columns (20
+    outputs a row: a last word vector overlapping the one before, PL = 1), padded below and right
+    (10 a row: one vector running into the next row, PL = 0), then 5 a row (too narrow for the
+    words: the phases' kernel)."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 13, weights)
+    x, xs = b.dq("x", 0.05, lo + 2, dtype), 0.05
+    x, xs = requant(conv(x, xs, 5, 5, (3, 3), (2, 2), (1, 1, 1, 1), group=5, act="relu"), 0.02, hi)   # 6x20
+    x, xs = requant(conv(x, xs, 5, 5, (3, 3), (2, 2), (0, 0, 1, 1), group=5), 0.03, lo)          # 3x10
+    y = conv(x, xs, 5, 5, (3, 3), (2, 2), (1, 1, 1, 1), group=5)                               # 2x5
+    return b.model([("x", dtype, [1, 5, 11, 40])], [(b.q(y, 0.05, 0, dtype), dtype)])
+
+
 def _kernels(build_dir: Path) -> set[str]:
     src = (build_dir / "td_kernels.c").read_text()
     return {f for f in ("qconv2d_gemm", "qconv2d_igemm", "qconv2d_dw", "qdense_packed") if f + "_" in src}
@@ -253,14 +267,32 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
         src = (tmp_path / "b" / "td_kernels.c").read_text()
         assert src.count("[qconv2d_dw ") == 7
         # SMULL pairs without -128: on rpi4 all but the one-vector layer, on jetson-orin the
-        # strided ones (SDOT gives them up)
-        smull = {"rpi4": 6, "jetson-orin": 2}[board] if weights == "symmetric" else 0
+        # 5x5 strided one (SDOT's stride-2 words take windows up to 4 wide)
+        smull = {"rpi4": 6, "jetson-orin": 1}[board] if weights == "symmetric" else 0
         assert src.count("[qconv2d_dw neon smull ") == smull
         # the row form (stride 1, 3 wide, as wide as the image): 9x40 (SDOT only: SMULL pairs
         # keep the gap columns of rows 32 or wider), 3x9 and PL = 2
         rows = 3 if board == "jetson-orin" else (2 if weights == "symmetric" else 0)
         assert src.count(" rows 1 x ") == rows
-        assert "vld2q_" in src and "vld2_" in src and ").val[1]" in src      # LD2: 16 and 8, even and odd lanes
+        if board == "rpi4":                       # the phases' LD2: 16 and 8, even and odd lanes
+            assert "vld2q_" in src and "vld2_" in src and ").val[1]" in src
+        assert src.count(" s2 words ") == (1 if board == "jetson-orin" else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+@pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
+def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
+    """Stride 2: Cortex-A78AE's SDOT over words of each row parity where rows hold 6 outputs or
+    more, else (and on Cortex-A72) the phase planes."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(dw_s2_model(dtype, weights), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count(" s2 words ") == (2 if board == "jetson-orin" else 0)
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

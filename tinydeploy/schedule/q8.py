@@ -399,10 +399,33 @@ def _ld2_chunks(p: dict, ph: dict) -> tuple[list[tuple[int, int, int]], int]:
     return chunks, done
 
 
+def dw_s2(p: dict) -> dict | None:
+    """The geometry of the SDOT depthwise kernel's stride-2 form (stride 2, undilated, windows up to
+    4 wide), or None. The image is copied into a plane Q framed by the input zero point (QW bytes a
+    row, the image at column 16 of row PT); a word plane per row parity: plane P row i holds, at
+    output column ox, the bytes of Q row 2 i + P at columns 2 ox - PL + 0..3 (two LD2 loads, one
+    ST4, 16 words at a time: `CH` the first output columns of those vectors, the last overlapping
+    or, for rows under 16, running into the next row, built after it). Output (oy, ox) and kernel
+    row ky read word (oy + ky // 2) * OW + ox of plane ky % 2, so outputs have no gap columns."""
+    # rows under 6 outputs: the 16-word vectors of every row cost more than SMULL pairs on the
+    # phases (jetson-orin, VWW's 3-wide stride-2 layer: 32.9 K against 23.5 K; 6 wide: 31.1 K, 34.6 K)
+    if not (p["SH"] == p["SW"] == 2 and p["DH"] == p["DW"] == 1 and p["KW"] <= 4 and p["OW"] >= 6):
+        return None
+    ow, oh = p["OW"], p["OH"]
+    nr = oh + (p["KH"] - 1) // 2                                    # rows of a word plane
+    rq = max(p["H"] + p["PT"], 2 * nr)                              # rows of Q
+    qw = _round_up(max(16 + p["W"] + 16, 16 + 2 * max(ow, 16) + 4 + 16), 16)
+    span = _round_up(oh * ow, 16)
+    nwp = _round_up(max(nr * ow + 16, span + (p["KH"] - 1) // 2 * ow), 16)
+    ch = list(range(0, ow - 15, 16)) + ([max(ow - 16, 0)] if ow % 16 or ow < 16 else [])
+    return {"NR": nr, "RQ": rq, "QW": qw, "QLEN": rq * qw + 64, "NWP": nwp, "CH": ch}
+
+
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
-    if q.flavour == "dot" and p["SW"] > 1:
+    s2 = dw_s2(p) if q.flavour == "dot" else None
+    if q.flavour == "dot" and p["SW"] > 1 and s2 is None:
         # strided: SDOT's words of every phase plane cost more than SMLAL / SMULL pairs on the
         # phases (jetson-orin, exact instructions: VWW's stride-2 layers 94.4 K against 75.7 K);
         # the next of the target's ISAs with an SMLAL depthwise kernel, if it has one
@@ -433,7 +456,14 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
         if q.flavour == "smull":              # tap (ky, kx) reads shifted copy kx (kx = PL: the plane) at row ky
             offs = [(16 if kx == p["PL"] else plane_len + kx * nword) + ky * wp
                     for ky in range(p["KH"]) for kx in range(p["KW"])]
-    if q.flavour == "dot" and rows:           # SDOT: one run a kernel row, its word byte kx from copy kx
+    if s2 is not None:                        # SDOT, stride 2: a run a kernel row, words of its row parity
+        hp, wp, span = s2["NR"], p["OW"], _round_up(p["OH"] * p["OW"], lanes)
+        flat, nword = p["OH"] * p["OW"], 2 * s2["NWP"]
+        offs = [(ky % 2) * s2["NWP"] + (ky // 2) * wp + kx for ky in range(p["KH"]) for kx in range(p["KW"])]
+        runs = [((ky % 2) * s2["NWP"] + (ky // 2) * wp, list(range(ky * p["KW"], (ky + 1) * p["KW"])))
+                for ky in range(p["KH"])]
+        plane_len = s2["QLEN"]
+    elif q.flavour == "dot" and rows:         # SDOT: one run a kernel row, its word byte kx from copy kx
         runs = [(ky * wp, list(range(ky * p["KW"], (ky + 1) * p["KW"]))) for ky in range(p["KH"])]
     elif q.flavour == "dot":                  # SDOT: taps in runs of offsets [o, o + 4) (dw_runs)
         runs = dw_runs(offs)
@@ -471,7 +501,7 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
              TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop,
-             WTAPS=wtaps, RUNS=[o for o, _ in runs], NWORD=nword, ROWS=rows)
+             WTAPS=wtaps, RUNS=[o for o, _ in runs], NWORD=nword, ROWS=rows, S2=s2)
     # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes;
     # smull, dot: the output bytes, the byte planes, then the shifted copies or the words)
     if q.flavour == "smull":
@@ -481,7 +511,7 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     else:
         scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    rtag = " rows" if rows else ""
+    rtag = " rows" if rows else (" s2 words" if s2 is not None else "")
     desc = f"[qconv2d_dw {isa}{_tag(q)}{rtag} {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts, scratch_dtype="int32")
 
