@@ -15,6 +15,7 @@ and on one x86 ISA per multiply flavour when forced (TINYDEPLOY_ALGO=qconv2d_ige
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -276,6 +277,8 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
         assert src.count(" rows 1 x ") == rows
         if board == "rpi4":                       # the phases' LD2: 16 and 8, even and odd lanes
             assert "vld2q_" in src and "vld2_" in src and ").val[1]" in src
+        # SMULL groups: a triple of taps summed in int16 where the layer's weights allow it
+        assert bool(re.search(r"taps \d+, \d+, \d+:", src)) == (smull > 0)
         assert src.count(" s2 words ") == (1 if board == "jetson-orin" else 0)
 
 
@@ -403,3 +406,17 @@ def test_split_k_bit_exact(dtype, tmp_path, monkeypatch):
     got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], out_specs)
     check_8bit(path, x, got, label=f"split K {dtype.__name__}", lsb_scales=b.summary.get("output_lsb"))
 
+
+
+def test_dw_groups_int16_bound():
+    """schedule.q8.dw_groups: a triple of taps only where every channel's products stay in int16
+    for every input in [-128, 127] (P = 256: -128 * 256 = -2^15 fits; P = 257, or N = 256 with
+    -128 * -256 = 2^15, does not), else pairs and the last tap alone; the triple of least sum."""
+    from tinydeploy.schedule.q8 import dw_groups
+    for row, fits in (([127, 127, 2], True), ([127, 127, 3], False), ([-127, -127, -1], True),
+                      ([-127, -127, -2], False)):
+        w = np.array([row, [-127, 64, 64]], np.int64)
+        assert dw_groups(w) == ([[0, 1, 2]] if fits else [[0, 1], [2]]), row
+    w = np.full((1, 9), 127, np.int64)
+    w[0, 4:7] = [1, -2, 3]
+    assert dw_groups(w) == [[4, 5, 6], [0, 1], [2, 3], [7, 8]]

@@ -49,6 +49,7 @@ TINYDEPLOY_ALGO=ref keeps the reference kernels (as for fp32).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -421,6 +422,28 @@ def dw_s2(p: dict) -> dict | None:
     return {"NR": nr, "RQ": rq, "QW": qw, "QLEN": rq * qw + 64, "NWP": nwp, "CH": ch}
 
 
+def dw_groups(w: np.ndarray) -> list[list[int]]:
+    """The SMULL-pair depthwise kernel's taps in groups whose int8 products it sums in int16: pairs
+    (no weight is -128: |w x + w' x'| <= 2 * 127 * 128 < 2^15), and for an odd count the triple
+    whose sum stays in int16 for every channel and every input (127 P + 128 N <= 32767 and
+    128 P + 127 N <= 32768, P and N the sums of its positive weights and of the negatives'
+    magnitudes; the least largest P + N), else the last tap alone."""
+    taps = w.shape[1]
+    if taps % 2 == 0 or taps < 3:
+        return [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
+    best = None
+    for tri in itertools.combinations(range(taps), 3):
+        pos, neg = np.maximum(w[:, tri], 0).sum(1), np.maximum(-w[:, tri], 0).sum(1)
+        if np.all(127 * pos + 128 * neg <= 32767) and np.all(128 * pos + 127 * neg <= 32768):
+            size = int((pos + neg).max())
+            if best is None or size < best[0]:
+                best = (size, list(tri))
+    if best is None:
+        return [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
+    rest = [t for t in range(taps) if t not in best[1]]
+    return [best[1]] + [rest[i:i + 2] for i in range(0, len(rest), 2)]
+
+
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
@@ -501,7 +524,8 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
              TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop,
-             WTAPS=wtaps, RUNS=[o for o, _ in runs], NWORD=nword, ROWS=rows, S2=s2)
+             WTAPS=wtaps, RUNS=[o for o, _ in runs], NWORD=nword, ROWS=rows, S2=s2,
+             GROUPS=dw_groups(w) if q.flavour == "smull" else [])
     # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes;
     # smull, dot: the output bytes, the byte planes, then the shifted copies or the words)
     if q.flavour == "smull":
