@@ -113,6 +113,20 @@ def dw_model(dtype, weights, zx="lo"):
     return b.model([("x", dtype, [1, 7, 9, 40])], [(b.q(y, 0.05, 0, dtype), dtype)])
 
 
+def dw_windows_model(dtype, weights):
+    """Depthwise windows of every width the row form takes (6 channels, 7x11): 1x1, 2x2 padded on
+    the left, 3x1, 1x4 (all four bytes of an SDOT word) and 2x4 padded unevenly."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 17, weights)
+    x, xs = b.dq("x", 0.05, hi - 4, dtype), 0.05
+    x, xs = requant(conv(x, xs, 6, 6, (1, 1), group=6), 0.04, lo + 9)
+    x, xs = requant(conv(x, xs, 6, 6, (2, 2), pads=(0, 1, 1, 0), group=6, act="relu"), 0.02, lo)
+    x, xs = requant(conv(x, xs, 6, 6, (3, 1), pads=(1, 0, 1, 0), group=6), 0.02, 3)
+    x, xs = requant(conv(x, xs, 6, 6, (1, 4), pads=(0, 1, 0, 2), group=6), 0.03, hi)
+    y = conv(x, xs, 6, 6, (2, 4), pads=(1, 2, 0, 1), group=6)
+    return b.model([("x", dtype, [1, 6, 7, 11])], [(b.q(y, 0.05, 0, dtype), dtype)])
+
+
 def dw_s2_model(dtype, weights):
     """Stride-2 depthwise layers (5 channels): 3x3 padded on every side over 40 columns (20
     outputs a row: a last word vector overlapping the one before, PL = 1), padded below and right
@@ -280,6 +294,23 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
         # SMULL groups: a triple of taps summed in int16 where the layer's weights allow it
         assert bool(re.search(r"taps \d+, \d+, \d+:", src)) == (smull > 0)
         assert src.count(" s2 words ") == (1 if board == "jetson-orin" else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+@pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
+def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
+    """The row form's windows 1 to 4 wide (SDOT words with 1 to 4 taps; SMULL pairs' shifted
+    copies), on both boards."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(dw_windows_model(dtype, weights), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_dw ") == 5
+    assert src.count(" rows 1 x ") == (5 if board == "jetson-orin" or weights == "symmetric" else 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
