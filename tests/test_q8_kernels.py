@@ -264,6 +264,18 @@ def test_aarch64_k_split_bit_exact(dtype, tmp_path, monkeypatch):
             assert ("[qconv2d_gemm neon smull " in src) == (board == "rpi4" and weights == "symmetric")
 
 
+def _dw_exact(model, board, tmp_path) -> str:
+    """Runs `model` on `board` under qemu-aarch64 with two seeds, bit for bit against the exact
+    reference; returns the generated td_kernels.c."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(model, tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    return (tmp_path / "b" / "td_kernels.c").read_text()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
@@ -272,14 +284,8 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
     weights without -128 take the SMULL pairs over byte planes (but for a plane of one vector), a
     -128 keeps SMLAL over int16 planes; Cortex-A78AE takes SDOT over words of 4 plane bytes
     whatever the weights; both in the row form where it applies."""
-    require("aarch64-linux-gnu-gcc")
-    require("qemu-aarch64")
     for zx in ("lo", "hi"):
-        path = save(dw_model(dtype, weights, zx), tmp_path)
-        for seed in (0, 1):
-            res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
-            assert res["exact_reference"]["identical"] and res["outputs_match"], res
-        src = (tmp_path / "b" / "td_kernels.c").read_text()
+        src = _dw_exact(dw_model(dtype, weights, zx), board, tmp_path)
         assert src.count("[qconv2d_dw ") == 7
         # SMULL pairs without -128: on rpi4 all but the one-vector layer, on jetson-orin the
         # 5x5 strided one (SDOT's stride-2 words take windows up to 4 wide)
@@ -302,13 +308,7 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
 def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
     """The row form's windows 1 to 4 wide (SDOT words with 1 to 4 taps; SMULL pairs' shifted
     copies), on both boards."""
-    require("aarch64-linux-gnu-gcc")
-    require("qemu-aarch64")
-    path = save(dw_windows_model(dtype, weights), tmp_path)
-    for seed in (0, 1):
-        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
-        assert res["exact_reference"]["identical"] and res["outputs_match"], res
-    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    src = _dw_exact(dw_windows_model(dtype, weights), board, tmp_path)
     assert src.count("[qconv2d_dw ") == 5
     assert src.count(" rows 1 x ") == (5 if board == "jetson-orin" or weights == "symmetric" else 0)
 
@@ -319,13 +319,7 @@ def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
 def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
     """Stride 2: Cortex-A78AE's SDOT over words of each row parity where rows hold 6 outputs or
     more, else (and on Cortex-A72) the phase planes."""
-    require("aarch64-linux-gnu-gcc")
-    require("qemu-aarch64")
-    path = save(dw_s2_model(dtype, weights), tmp_path)
-    for seed in (0, 1):
-        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
-        assert res["exact_reference"]["identical"] and res["outputs_match"], res
-    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    src = _dw_exact(dw_s2_model(dtype, weights), board, tmp_path)
     assert src.count(" s2 words ") == (2 if board == "jetson-orin" else 0)
 
 
