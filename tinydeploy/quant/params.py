@@ -89,8 +89,11 @@ def qadd_int32(ta: str, tb: str, ty: str, za: int, zb: int, zy: int, ma: int, mb
     2^16, t += c16 modulo 2^16, q = t >> (s' - 16) when s' > 16, y = clamp(q, lo, hi) with the
     type's saturation first. Every one of the 2^16 input pairs (a, b) is run through exactly that
     arithmetic here and must give the reference's y = clamp(rne(((a - za) ma + (b - zb) mb) / 2^s)
-    + zy, lo, hi); the first s' (and ma', mb' within one of round(m 2^(s' - s))) that does is taken.
+    + zy, lo, hi); the first s' (tried 16..30, then 15..1) and ma', mb' (within one of
+    round(m 2^(s' - s))) that do are taken.
     `ta`, `tb`, `ty` are numpy dtype names."""
+    if s < 1:
+        return None
     a = np.arange(*_span(ta), dtype=np.int64)[:, None]
     b = np.arange(*_span(tb), dtype=np.int64)[None, :]
     v = (a - za) * ma + (b - zb) * mb
@@ -110,16 +113,18 @@ def qadd_int32(ta: str, tb: str, ty: str, za: int, zb: int, zy: int, ma: int, mb
         t = wrap(wrap(p >> min(sp, 16), 16) + c16, 16)
         return np.clip(np.clip(t >> max(sp - 16, 0), tlo, thi), lo, hi)
 
-    for sp in range(1, 31):
+    near = np.array([(0, 0), (1, 0), (0, 1), (-1, 0), (0, -1), (1, 1), (-1, -1), (1, -1), (-1, 1)], np.int64)
+    lo_mask, hi_mask = inner | high, inner | low
+    for sp in list(range(16, 31)) + list(range(15, 0, -1)):      # where IC-like Adds find theirs first
         unit = 1 << min(sp, 16)
-        for dma, dmb in ((0, 0), (1, 0), (0, 1), (-1, 0), (0, -1), (1, 1), (-1, -1), (1, -1), (-1, 1)):
-            ma2, mb2 = round(ma * 2.0 ** (sp - s)) + dma, round(mb * 2.0 ** (sp - s)) + dmb
-            if not (abs(ma2) < 2 ** 31 and abs(mb2) < 2 ** 31) or (ma2 == 0) != (ma == 0) or (mb2 == 0) != (mb == 0):
-                continue
-            base = a_ * ma2 + b_ * mb2
-            # the constants c with floor((base + c) / 2^sp) = y (or beyond the clamp): [lo_c, hi_c)
-            lo_c = int(np.max(np.where(inner | high, (yref << sp) - base, -(1 << 62))))
-            hi_c = int(np.min(np.where(inner | low, ((yref + 1) << sp) - base, 1 << 62)))
+        m2 = np.array([round(ma * 2.0 ** (sp - s)), round(mb * 2.0 ** (sp - s))], np.int64) + near
+        ok = (np.abs(m2) < 2 ** 31).all(1) & ((m2[:, 0] == 0) == (ma == 0)) & ((m2[:, 1] == 0) == (mb == 0))
+        m2 = m2[ok]
+        base = a_[None, :] * m2[:, :1] + b_[None, :] * m2[:, 1:]
+        # per (ma', mb'): the constants c with floor((base + c) / 2^sp) = y (or beyond the clamp)
+        lo_all = np.where(lo_mask, (yref << sp) - base, -(1 << 62)).max(1)
+        hi_all = np.where(hi_mask, ((yref + 1) << sp) - base, 1 << 62).min(1)
+        for (ma2, mb2), lo_c, hi_c in zip(m2.tolist(), lo_all.tolist(), hi_all.tolist()):
             if lo_c >= hi_c:
                 continue
             # c = c16 unit - (ka ma' + kb mb'): ka, kb int16 with (-(ka ma' + kb mb') - lo_c) mod unit
