@@ -15,6 +15,7 @@ and on one x86 ISA per multiply flavour when forced (TINYDEPLOY_ALGO=qconv2d_ige
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,52 @@ def wide_model(dtype, weights):
     x, xs = requant(conv(x, xs, 16, 16, (3, 3), pads=(1, 1, 1, 1)), 0.05, lo + 3)
     y = conv(x, xs, 16, 7, (5, 5), pads=(2, 2, 2, 2))
     return b.model([("x", dtype, [1, 32, 7, 40])], [(b.q(y, 0.1, 0, dtype), dtype)])
+
+
+def dw_model(dtype, weights, zx="lo"):
+    """Depthwise layers only (qconv2d_dw): 7 channels (odd), planes larger (9x40) and smaller
+    (1x7) than a vector, 3x3 and 5x5 windows at stride 1 and 2 with symmetric, asymmetric and
+    no padding (stride 2: rows long enough for 16- and 8-byte LD2 vectors, and their byte tails),
+    activation zero points at both ends of their range and in between."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 11, weights)
+    x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi - 1, dtype), 0.05
+    x, xs = requant(conv(x, xs, 7, 7, (3, 3), pads=(1, 1, 1, 1), group=7, act="relu"), 0.02, hi)   # 9x40
+    x, xs = requant(conv(x, xs, 7, 7, (5, 5), (2, 2), (2, 1, 2, 1), group=7), 0.03, lo)      # 5x19
+    x, xs = requant(conv(x, xs, 7, 7, (5, 5), pads=(2, 2, 2, 2), group=7), 0.02, (lo + hi) // 2)
+    x, xs = requant(conv(x, xs, 7, 7, (3, 3), (2, 2), (1, 0, 2, 1), group=7), 0.02, lo + 1)  # 3x9
+    x, xs = requant(conv(x, xs, 7, 7, (3, 3), pads=(1, 1, 1, 1), group=7, act="relu"), 0.01, hi - 3)
+    x, xs = requant(conv(x, xs, 7, 7, (3, 3), pads=(0, 2, 2, 0), group=7), 0.01, lo + 5)   # rows, PL = 2
+    y = conv(x, xs, 7, 7, (3, 3), group=7)                          # unpadded: 1x7, one vector
+    return b.model([("x", dtype, [1, 7, 9, 40])], [(b.q(y, 0.05, 0, dtype), dtype)])
+
+
+def dw_windows_model(dtype, weights):
+    """Depthwise windows of every width the row form takes (6 channels, 7x11): 1x1, 2x2 padded on
+    the left, 3x1, 1x4 (all four bytes of an SDOT word) and 2x4 padded unevenly."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 17, weights)
+    x, xs = b.dq("x", 0.05, hi - 4, dtype), 0.05
+    x, xs = requant(conv(x, xs, 6, 6, (1, 1), group=6), 0.04, lo + 9)
+    x, xs = requant(conv(x, xs, 6, 6, (2, 2), pads=(0, 1, 1, 0), group=6, act="relu"), 0.02, lo)
+    x, xs = requant(conv(x, xs, 6, 6, (3, 1), pads=(1, 0, 1, 0), group=6), 0.02, 3)
+    x, xs = requant(conv(x, xs, 6, 6, (1, 4), pads=(0, 1, 0, 2), group=6), 0.03, hi)
+    y = conv(x, xs, 6, 6, (2, 4), pads=(1, 2, 0, 1), group=6)
+    return b.model([("x", dtype, [1, 6, 7, 11])], [(b.q(y, 0.05, 0, dtype), dtype)])
+
+
+def dw_s2_model(dtype, weights):
+    """Stride-2 depthwise layers (5 channels): 3x3 padded on every side over 40 columns (20
+    outputs a row: a last word vector overlapping the one before, PL = 1), padded below and right
+    (10 a row: one vector running into the next row, PL = 0), then 5 a row (too narrow for the
+    words: the phases' kernel)."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 13, weights)
+    x, xs = b.dq("x", 0.05, lo + 2, dtype), 0.05
+    x, xs = requant(conv(x, xs, 5, 5, (3, 3), (2, 2), (1, 1, 1, 1), group=5, act="relu"), 0.02, hi)   # 6x20
+    x, xs = requant(conv(x, xs, 5, 5, (3, 3), (2, 2), (0, 0, 1, 1), group=5), 0.03, lo)          # 3x10
+    y = conv(x, xs, 5, 5, (3, 3), (2, 2), (1, 1, 1, 1), group=5)                               # 2x5
+    return b.model([("x", dtype, [1, 5, 11, 40])], [(b.q(y, 0.05, 0, dtype), dtype)])
 
 
 def _kernels(build_dir: Path) -> set[str]:
@@ -344,24 +391,102 @@ def test_aarch64_im2col_planes_bit_exact(threads, tmp_path, monkeypatch):
         assert ("omp parallel" in src) == (threads == 2)
 
 
-# the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
-# a shift above 32); broadcasting keeps the reference
-NEON_ADD = {"resnet-like-relu": "ties", "saturating-zp-extremes": "round", "u8-relu": "ties",
-            "exact-ties": "ties", "large-shift": "round", "broadcast": None}
-
-
-@pytest.mark.parametrize("case", list(NEON_ADD))
-def test_aarch64_qadd_bit_exact(case, tmp_path):
+def _dw_exact(model, board, tmp_path) -> str:
+    """Runs `model` on `board` under qemu-aarch64 with two seeds, bit for bit against the exact
+    reference; returns the generated td_kernels.c."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
+    path = save(model, tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, board, outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    return (tmp_path / "b" / "td_kernels.c").read_text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+@pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
+def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
+    """The NEON depthwise kernels (qconv2d_dw.c.j2) on every edge of dw_model: on Cortex-A72 int8
+    weights without -128 take the SMULL pairs over byte planes (but for a plane of one vector), a
+    -128 keeps SMLAL over int16 planes; Cortex-A78AE takes SDOT over words of 4 plane bytes
+    whatever the weights; both in the row form where it applies."""
+    for zx in ("lo", "hi"):
+        src = _dw_exact(dw_model(dtype, weights, zx), board, tmp_path)
+        assert src.count("[qconv2d_dw ") == 7
+        # SMULL pairs without -128: on rpi4 all but the one-vector layer, on jetson-orin the
+        # 5x5 strided one (SDOT's stride-2 words take windows up to 4 wide)
+        smull = {"rpi4": 6, "jetson-orin": 1}[board] if weights == "symmetric" else 0
+        assert src.count("[qconv2d_dw neon smull ") == smull
+        # the row form (stride 1, 3 wide, as wide as the image): 9x40 (SDOT only: SMULL pairs
+        # keep the gap columns of rows 32 or wider), 3x9 and PL = 2
+        rows = 3 if board == "jetson-orin" else (2 if weights == "symmetric" else 0)
+        assert src.count(" rows 1 x ") == rows
+        if board == "rpi4":                       # the phases' LD2: 16 and 8, even and odd lanes
+            assert "vld2q_" in src and "vld2_" in src and ").val[1]" in src
+        # SMULL groups: a triple of taps summed in int16 where the layer's weights allow it
+        assert bool(re.search(r"taps \d+, \d+, \d+:", src)) == (smull > 0)
+        assert src.count(" s2 words ") == (1 if board == "jetson-orin" else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+@pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
+def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
+    """The row form's windows 1 to 4 wide (SDOT words with 1 to 4 taps; SMULL pairs' shifted
+    copies), on both boards."""
+    src = _dw_exact(dw_windows_model(dtype, weights), board, tmp_path)
+    assert src.count("[qconv2d_dw ") == 5
+    assert src.count(" rows 1 x ") == (5 if board == "jetson-orin" or weights == "symmetric" else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["with-128", "symmetric"])
+@pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
+def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
+    """Stride 2: Cortex-A78AE's SDOT over words of each row parity where rows hold 6 outputs or
+    more, else (and on Cortex-A72) the phase planes."""
+    src = _dw_exact(dw_s2_model(dtype, weights), board, tmp_path)
+    assert src.count(" s2 words ") == (2 if board == "jetson-orin" else 0)
+
+
+# the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
+# a shift above 32); broadcasting keeps the reference. "int32": the int32-lane form, whose
+# constants every input pair was tried with at build time (quant.params.qadd_int32; ties to even
+# at exact halves defeat it: "ties"); without it (form int64: as if it had found none), the
+# 64-bit SMLAL form, rounding half up ("round") or correcting ties ("ties")
+NEON_ADD = {"resnet-like-relu": ("int32", "ties"), "saturating-zp-extremes": ("int32", "round"),
+            "u8-relu": ("ties", "ties"), "exact-ties": ("ties", "ties"), "large-shift": ("int32", "round"),
+            "broadcast": (None, None)}
+
+
+@pytest.mark.parametrize("form", ["auto", "int64"])
+@pytest.mark.parametrize("case", list(NEON_ADD))
+def test_aarch64_qadd_bit_exact(case, form, tmp_path, monkeypatch):
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    if form == "int64":
+        from tinydeploy.ops import quantized
+        monkeypatch.setattr(quantized, "qadd_int32", lambda *a: None)
+    want = NEON_ADD[case][form == "int64"]
     path = tmp_path / "m.onnx"
     onnx.save(_add_model(**ADD_CASES[case][0]), str(path))
     for seed in (0, 1):
         res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert ("(neon)" in src) == (NEON_ADD[case] is not None)
-    assert ("vceqq_s64" in src) == (NEON_ADD[case] == "ties")
+    assert ("(neon)" in src) == (want is not None)
+    assert ("vshrn_n_s32(p0" in src) == (want == "int32")
+    assert ("vceqq_s64" in src) == (want == "ties")
+
+
+def test_qadd_int32_constants():
+    """quant.params.qadd_int32 on IC's first Add (MLPerf Tiny ResNet-8 int8: s' = 21), and none
+    where exact halves must round to even (0.5 a with a = 1, 3, 5: 0, 2, 2)."""
+    from tinydeploy.quant.params import qadd_int32
+    got = qadd_int32("int8", "int8", "int8", -128, 4, -128, 415133440, 1098017536, 29, -128, 127)
+    assert got is not None and got[-1] == 21
+    assert qadd_int32("int8", "int8", "int8", 0, 0, 3, 1 << 30, 1 << 29, 31, -128, 127) is None
 
 
 def test_threads_bit_exact(tmp_path):
@@ -433,3 +558,17 @@ def test_split_k_bit_exact(dtype, tmp_path, monkeypatch):
     got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], out_specs)
     check_8bit(path, x, got, label=f"split K {dtype.__name__}", lsb_scales=b.summary.get("output_lsb"))
 
+
+
+def test_dw_groups_int16_bound():
+    """schedule.q8.dw_groups: a triple of taps only where every channel's products stay in int16
+    for every input in [-128, 127] (P = 256: -128 * 256 = -2^15 fits; P = 257, or N = 256 with
+    -128 * -256 = 2^15, does not), else pairs and the last tap alone; the triple of least sum."""
+    from tinydeploy.schedule.q8 import dw_groups
+    for row, fits in (([127, 127, 2], True), ([127, 127, 3], False), ([-127, -127, -1], True),
+                      ([-127, -127, -2], False)):
+        w = np.array([row, [-127, 64, 64]], np.int64)
+        assert dw_groups(w) == ([[0, 1, 2]] if fits else [[0, 1], [2]]), row
+    w = np.full((1, 9), 127, np.int64)
+    w[0, 4:7] = [1, -2, 3]
+    assert dw_groups(w) == [[4, 5, 6], [0, 1], [2, 3], [7, 8]]

@@ -81,7 +81,7 @@ VARIANTS = (
     # whose Q8 descriptor multiplies the layer's weight type)
     Variant("qconv2d_gemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_gemm.c.j2"),
     Variant("qconv2d_igemm", ("s8", "u8"), _Q8_ISAS, "qconv2d_igemm.c.j2"),
-    Variant("qconv2d_dw", ("s8", "u8"), ("avx512bw", "avx2", "neon"), "qconv2d_dw.c.j2"),
+    Variant("qconv2d_dw", ("s8", "u8"), ("avx512bw", "avx2", "neon-dotprod", "neon"), "qconv2d_dw.c.j2"),
     # exact integer Winograd F(2x2, 3x3) for 3x3 stride-1 layers (schedule/q8wino.py)
     Variant("qconv2d_winograd", ("s8", "u8"), ("avx2", "neon"), "qconv2d_winograd.c.j2"),
     Variant("qdense_packed", ("s8", "u8"), _Q8_ISAS, "qdense_packed.c.j2"),

@@ -6,6 +6,7 @@ check. docs/quantization.md defines the arithmetic; quant/qdq.py is the pass; qu
 numpy reference."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -78,6 +79,71 @@ def qadd_ties(ta, tb, za: int, zb: int, ma: int, mb: int, s: int) -> bool:
     b = np.arange(*_span(tb), dtype=np.int64)[None, :] - zb
     v = a * int(ma) + b * int(mb)
     return bool(np.any((v & ((1 << s) - 1)) == (1 << (s - 1))))
+
+
+@functools.lru_cache(maxsize=256)
+def qadd_int32(ta: str, tb: str, ty: str, za: int, zb: int, zy: int, ma: int, mb: int, s: int, lo: int,
+               hi: int) -> tuple[int, int, int, int, int, int] | None:
+    """The constants (ma', mb', ka, kb, c16, s') of a QAdd in int32 lanes (qadd_neon.c.j2's "int32"
+    form), or None: p = (a - ka) ma' + (b - kb) mb' modulo 2^32, t = (p >> min(s', 16)) modulo
+    2^16, t += c16 modulo 2^16, q = t >> (s' - 16) when s' > 16, y = clamp(q, lo, hi) with the
+    type's saturation first. Every one of the 2^16 input pairs (a, b) is run through exactly that
+    arithmetic here and must give the reference's y = clamp(rne(((a - za) ma + (b - zb) mb) / 2^s)
+    + zy, lo, hi); the first s' (tried 16..30, then 15..1) and ma', mb' (within one of
+    round(m 2^(s' - s))) that do are taken.
+    `ta`, `tb`, `ty` are numpy dtype names."""
+    if s < 1:
+        return None
+    a = np.arange(*_span(ta), dtype=np.int64)[:, None]
+    b = np.arange(*_span(tb), dtype=np.int64)[None, :]
+    v = (a - za) * ma + (b - zb) * mb
+    q = v >> s
+    r = v - (q << s)
+    half = 1 << (s - 1)
+    yref = np.clip(q + ((r > half) | ((r == half) & (q & 1 == 1))) + zy, lo, hi).ravel()
+    tlo, thi = qrange(ty)
+    inner, low, high = (yref > lo) & (yref < hi), yref == lo, yref == hi
+    a_, b_ = np.broadcast_to(a, v.shape).ravel(), np.broadcast_to(b, v.shape).ravel()
+
+    def wrap(x, bits):
+        return (x + (1 << (bits - 1))) % (1 << bits) - (1 << (bits - 1))
+
+    def run(ma2, mb2, ka, kb, c16, sp):
+        p = wrap((a_ - ka) * ma2 + (b_ - kb) * mb2, 32)
+        t = wrap(wrap(p >> min(sp, 16), 16) + c16, 16)
+        return np.clip(np.clip(t >> max(sp - 16, 0), tlo, thi), lo, hi)
+
+    near = np.array([(0, 0), (1, 0), (0, 1), (-1, 0), (0, -1), (1, 1), (-1, -1), (1, -1), (-1, 1)], np.int64)
+    lo_mask, hi_mask = inner | high, inner | low
+    for sp in list(range(16, 31)) + list(range(15, 0, -1)):      # where IC-like Adds find theirs first
+        unit = 1 << min(sp, 16)
+        m2 = np.array([round(ma * 2.0 ** (sp - s)), round(mb * 2.0 ** (sp - s))], np.int64) + near
+        ok = (np.abs(m2) < 2 ** 31).all(1) & ((m2[:, 0] == 0) == (ma == 0)) & ((m2[:, 1] == 0) == (mb == 0))
+        m2 = m2[ok]
+        base = a_[None, :] * m2[:, :1] + b_[None, :] * m2[:, 1:]
+        # per (ma', mb'): the constants c with floor((base + c) / 2^sp) = y (or beyond the clamp)
+        lo_all = np.where(lo_mask, (yref << sp) - base, -(1 << 62)).max(1)
+        hi_all = np.where(hi_mask, ((yref + 1) << sp) - base, 1 << 62).min(1)
+        for (ma2, mb2), lo_c, hi_c in zip(m2.tolist(), lo_all.tolist(), hi_all.tolist()):
+            if lo_c >= hi_c:
+                continue
+            # c = c16 unit - (ka ma' + kb mb'): ka, kb int16 with (-(ka ma' + kb mb') - lo_c) mod unit
+            # below hi_c - lo_c
+            ka = np.arange(-2 ** 15, 2 ** 15, dtype=np.int64)
+            for kb in (0, 1, -1, 2, -2, 3, -3):
+                k = ka * ma2 + kb * mb2
+                hit = np.nonzero((-k - lo_c) % unit < hi_c - lo_c)[0]
+                if hit.size == 0:
+                    continue
+                i = hit[np.argmin(np.abs(ka[hit] - za))]
+                kk = int(k[i])
+                c = lo_c + (-kk - lo_c) % unit
+                c16 = wrap((c + kk) // unit, 16)
+                cand = (int(ma2), int(mb2), int(ka[i]), kb, int(c16), sp)
+                if np.array_equal(run(*cand), yref):
+                    return cand
+                break
+    return None
 
 
 def _span(dtype) -> tuple[int, int]:

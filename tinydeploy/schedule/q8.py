@@ -33,6 +33,11 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
   qconv2d_dw     depthwise (group == in == out channels): per channel a zero-padded int16 copy
                  of the plane (x - zx), one plane per stride phase, then every output of the
                  flattened plane at once: tap pairs by vpmaddwd (x86) or taps by SMLAL (neon).
+                 NEON with int8 weights: byte planes (activations as for dot, stride-2 phases
+                 by LD2), tap pairs by SMULL (no -128 in the weights, as smull above) or runs of
+                 up to 4 taps by SDOT over words of 4 plane bytes (neon-dotprod, stride 1;
+                 strided layers take the next ISA); stride-1 windows up to 4 wide as wide as the
+                 image take the row form (dw_rows): no gap columns, outputs stored in place.
   qconv2d_igemm  one-group KxK convolution as an implicit GEMM over zero-point-padded planes of
                  KG interleaved channels (no im2col; taps unrolled): on ISAs whose descriptor
                  prefers it (Cortex-A), or when forced (TINYDEPLOY_ALGO=qconv2d_igemm); see
@@ -47,6 +52,7 @@ TINYDEPLOY_ALGO=ref keeps the reference kernels (as for fp32).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -360,24 +366,180 @@ def dw_geometry(p: dict) -> tuple[int, int, list[dict], list[int]]:
     return hp, wp, ph, offs
 
 
+def dw_runs(offs: list[int]) -> list[tuple[int, list[int]]]:
+    """The depthwise taps (by their plane offsets) in runs for SDOT: sorted by offset, each run
+    the taps whose offsets lie in [o, o + 4) of its first one, o; a run's word at output j holds
+    the plane bytes j + o .. j + o + 3 (a 3x3 stride-1 window: one run per kernel row; small
+    planes' runs may span rows)."""
+    runs: list[tuple[int, list[int]]] = []
+    for t in sorted(range(len(offs)), key=lambda t: offs[t]):
+        if runs and offs[t] < runs[-1][0] + 4:
+            runs[-1][1].append(t)
+        else:
+            runs.append((offs[t], [t]))
+    return runs
+
+
+def dw_rows(p: dict, flavour: str) -> bool:
+    """Whether a depthwise layer takes the NEON byte kernels' row form: stride 1, windows at most
+    4 wide, undilated, as wide as the image (PL + PR = KW - 1), so an output's flat index oy*OW + ox
+    is its input's and no plane has gap columns: per window column kx a copy of the plane shifted
+    by kx - PL with the input zero point where that leaves the row (masks built here), and the
+    outputs stored straight into the output plane."""
+    # SMULL pairs: the shifted copies cost more than the gap columns of rows 32 or wider (rpi4,
+    # exact instructions: VWW's 48-wide layer 95.6 K flat, 100.8 K rows; 24 wide: 107.0 K, 104.3 K);
+    # SDOT builds its words either way (48 wide: 74.4 K flat, 73.1 K rows)
+    return (flavour in ("smull", "dot") and p["SH"] == p["SW"] == p["DH"] == p["DW"] == 1 and p["KW"] <= 4
+            and p["OW"] == p["W"] and (flavour == "dot" or p["W"] < 32))
+
+
+def _row_masks(p: dict, nword: int) -> np.ndarray:
+    """[KW][nword] bytes: 0xff where position i of the row form's shifted plane kx (image row
+    i // W - PT, column i % W) reads inside its row (column + kx - PL in [0, W)), else 0."""
+    col = np.arange(nword) % p["W"]
+    return np.stack([np.where((col + kx - p["PL"] >= 0) & (col + kx - p["PL"] < p["W"]), 255, 0)
+                     for kx in range(p["KW"])]).astype(np.uint8)
+
+
+def _ld2_chunks(p: dict, ph: dict) -> tuple[list[tuple[int, int, int]], int]:
+    """Stride 2 (NEON): the phase row's columns [lo, hi) (input column 2 jj + px - PL) as LD2
+    vectors (jj, n, k): n = 16 or 8 outputs from the row's bytes 2 jj - k .. 2 jj - k + 2n - 1, lane
+    set k (0: even, 1: odd), every byte read inside the row; the last vector may overlap the one
+    before (the same values written twice). Returns them and the column the bytes left to copy
+    one by one start at."""
+    c0, w = ph["px"] - p["PL"], p["W"]
+
+    def fits(jj: int, n: int) -> int | None:
+        for k in (0, 1):
+            if jj >= ph["lo"] and 2 * jj + c0 - k >= 0 and 2 * jj + c0 - k + 2 * n - 1 <= w - 1:
+                return k
+        return None
+    chunks, done = [], ph["lo"]
+    while done < ph["hi"]:
+        for n in (16, 8):
+            jj = done if done + n <= ph["hi"] else ph["hi"] - n
+            k = fits(jj, n)
+            if k is not None:
+                chunks.append((jj, n, k))
+                done = jj + n
+                break
+        else:
+            break
+    return chunks, done
+
+
+def dw_s2(p: dict) -> dict | None:
+    """The geometry of the SDOT depthwise kernel's stride-2 form (stride 2, undilated, windows up to
+    4 wide), or None. The image is copied into a plane Q framed by the input zero point (QW bytes a
+    row, the image at column 16 of row PT); a word plane per row parity: plane P row i holds, at
+    output column ox, the bytes of Q row 2 i + P at columns 2 ox - PL + 0..3 (two LD2 loads, one
+    ST4, 16 words at a time: `CH` the first output columns of those vectors, the last overlapping
+    or, for rows under 16, running into the next row, built after it). Output (oy, ox) and kernel
+    row ky read word (oy + ky // 2) * OW + ox of plane ky % 2, so outputs have no gap columns."""
+    # rows under 6 outputs: the 16-word vectors of every row cost more than SMULL pairs on the
+    # phases (jetson-orin, VWW's 3-wide stride-2 layer: 32.9 K against 23.5 K; 6 wide: 31.1 K, 34.6 K)
+    if not (p["SH"] == p["SW"] == 2 and p["DH"] == p["DW"] == 1 and p["KW"] <= 4 and p["OW"] >= 6):
+        return None
+    ow, oh = p["OW"], p["OH"]
+    nr = oh + (p["KH"] - 1) // 2                                    # rows of a word plane
+    rq = max(p["H"] + p["PT"], 2 * nr)                              # rows of Q
+    qw = _round_up(max(16 + p["W"] + 16, 16 + 2 * max(ow, 16) + 4 + 16), 16)
+    span = _round_up(oh * ow, 16)
+    nwp = _round_up(max(nr * ow + 16, span + (p["KH"] - 1) // 2 * ow), 16)
+    ch = list(range(0, ow - 15, 16)) + ([max(ow - 16, 0)] if ow % 16 or ow < 16 else [])
+    return {"NR": nr, "RQ": rq, "QW": qw, "QLEN": rq * qw + 64, "NWP": nwp, "CH": ch}
+
+
+def dw_groups(w: np.ndarray) -> list[list[int]]:
+    """The SMULL-pair depthwise kernel's taps in groups whose int8 products it sums in int16: pairs
+    (no weight is -128: |w x + w' x'| <= 2 * 127 * 128 < 2^15), and for an odd count the triple
+    whose sum stays in int16 for every channel and every input (127 P + 128 N <= 32767 and
+    128 P + 127 N <= 32768, P and N the sums of its positive weights and of the negatives'
+    magnitudes; the least largest P + N), else the last tap alone."""
+    taps = w.shape[1]
+    if taps % 2 == 0 or taps < 3:
+        return [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
+    best = None
+    for tri in itertools.combinations(range(taps), 3):
+        pos, neg = np.maximum(w[:, tri], 0).sum(1), np.maximum(-w[:, tri], 0).sum(1)
+        if np.all(127 * pos + 128 * neg <= 32767) and np.all(128 * pos + 127 * neg <= 32768):
+            size = int((pos + neg).max())
+            if best is None or size < best[0]:
+                best = (size, list(tri))
+    if best is None:
+        return [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
+    rest = [t for t in range(taps) if t not in best[1]]
+    return [best[1]] + [rest[i:i + 2] for i in range(0, len(rest), 2)]
+
+
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
+    s2 = dw_s2(p) if q.flavour == "dot" else None
+    if q.flavour == "dot" and p["SW"] > 1 and s2 is None:
+        # strided: SDOT's words of every phase plane cost more than SMLAL / SMULL pairs on the
+        # phases (jetson-orin, exact instructions: VWW's stride-2 layers 94.4 K against 75.7 K);
+        # the next of the target's ISAs with an SMLAL depthwise kernel, if it has one
+        later = [i for i in target.isas[target.isas.index(isa) + 1:] if get_isa(i).q8 is not None
+                 and get_isa(i).q8.flavour == "mlal" and kreg.has_variant("qconv2d_dw", k.dtype, i)]
+        if later:
+            return select_qconv_dw(g, step, k, target, later[0])
     hp, wp, phases, offs = dw_geometry(p)
     taps = p["KH"] * p["KW"]
     # outputs per iteration: two vectors of int32 (x86), four (neon)
-    lanes = 4 * q.lanes if q.flavour == "mlal" else 2 * q.lanes
+    lanes = 4 * q.lanes if q.flavour in ("mlal", "dot") else 2 * q.lanes
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    w = _conv_weights(g, k)                                   # [C][taps]
+    if q.flavour == "mlal" and _round_up(p["OH"] * wp, lanes) > lanes:
+        q = _gemm_q8(q, k, w)   # int8 weights without -128: SMULL pairs on byte planes (but for one vector a channel)
+    rows = dw_rows(p, q.flavour)
+    if rows:                                  # no gap columns: the row form's planes are W wide
+        hp, wp = p["OH"] + p["KH"] - 1, p["W"]
+        offs = [ky * wp + kx for ky in range(p["KH"]) for kx in range(p["KW"])]
     flat = p["OH"] * wp
     span = _round_up(flat, lanes)
     planes = len(phases) * hp * wp
     plane_len = _round_up(max(planes, max(offs) + span), 16)
+    runs, nword = [], 0
+    if rows:                                  # plane positions of the shifted copies (or words)
+        nword = _round_up((p["KH"] - 1) * wp + span, 16)
+        plane_len = _round_up(16 + nword + 16, 16)
+        if q.flavour == "smull":              # tap (ky, kx) reads shifted copy kx (kx = PL: the plane) at row ky
+            offs = [(16 if kx == p["PL"] else plane_len + kx * nword) + ky * wp
+                    for ky in range(p["KH"]) for kx in range(p["KW"])]
+    if s2 is not None:                        # SDOT, stride 2: a run a kernel row, words of its row parity
+        hp, wp, span = s2["NR"], p["OW"], _round_up(p["OH"] * p["OW"], lanes)
+        flat, nword = p["OH"] * p["OW"], 2 * s2["NWP"]
+        offs = [(ky % 2) * s2["NWP"] + (ky // 2) * wp + kx for ky in range(p["KH"]) for kx in range(p["KW"])]
+        runs = [((ky % 2) * s2["NWP"] + (ky // 2) * wp, list(range(ky * p["KW"], (ky + 1) * p["KW"])))
+                for ky in range(p["KH"])]
+        plane_len = s2["QLEN"]
+    elif q.flavour == "dot" and rows:         # SDOT: one run a kernel row, its word byte kx from copy kx
+        runs = [(ky * wp, list(range(ky * p["KW"], (ky + 1) * p["KW"]))) for ky in range(p["KH"])]
+    elif q.flavour == "dot":                  # SDOT: taps in runs of offsets [o, o + 4) (dw_runs)
+        runs = dw_runs(offs)
+        if not rows:
+            nword = _round_up(max(o for o, _ in runs) + span, 16)
+            plane_len = _round_up(max(planes, nword + 16), 16)   # the words' bytes, read 16 at a time
     for ph in phases:                 # the plane rows [rlo, rhi) that come from the image
         ph["rlo"] = min(max(0, -(-(p["PT"] - ph["py"]) // p["SH"])), hp)
         ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
-    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
-    w = _conv_weights(g, k)                                   # [C][taps]
+        ph["ld2"], ph["tail"] = _ld2_chunks(p, ph) if p["SW"] == 2 else ([], ph["lo"])
     consts = {}
-    if q.flavour == "madd":                   # tap pairs as int16 words, the last paired with 0
+    wtaps = taps
+    masks = _row_masks(p, nword) if rows else np.zeros((0,), np.uint8)
+    if q.flavour == "smull":                  # int8 taps, one row per channel (then the row form's masks)
+        wtaps = _round_up(taps, 16)
+        wt = np.zeros((p["C"], wtaps), np.int64)
+        wt[:, :taps] = w
+        wdat = np.concatenate([wt.astype(np.int8).reshape(-1), masks.reshape(-1).view(np.int8)])
+    elif q.flavour == "dot":                  # one int32 word of 4 int8 tap weights per run
+        wt = np.zeros((p["C"], len(runs), 4), np.int64)
+        for r, (o, ts) in enumerate(runs):
+            for t in ts:
+                wt[:, r, offs[t] - o] = w[:, t]
+        wdat = np.concatenate([group_words(wt, "dot").reshape(-1), masks.reshape(-1).view(np.int32)])
+    elif q.flavour == "madd":                   # tap pairs as int16 words, the last paired with 0
         npair = -(-taps // 2)
         wt = np.zeros((p["C"], npair * 2), np.int64)
         wt[:, :taps] = w
@@ -389,11 +551,20 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], p["C"])
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, HP=hp, WP=wp, PHASES=phases, OFFS=offs,
-             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop)
-    # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes)
-    scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
+             TAPS=taps, LANES=lanes, FLAT=flat, SPAN=span, SPAN64=_round_up(span, 64), PLANE=plane_len, ZXL=zx_loop,
+             WTAPS=wtaps, RUNS=[o for o, _ in runs], NWORD=nword, ROWS=rows, S2=s2,
+             GROUPS=dw_groups(w) if q.flavour == "smull" else [])
+    # int16 planes, then the output bytes of the flattened plane (neon: then the byte planes;
+    # smull, dot: the output bytes, the byte planes, then the shifted copies or the words)
+    if q.flavour == "smull":
+        scratch = _round_up(span, 64) + plane_len + (p["KW"] * nword if rows else 0)
+    elif q.flavour == "dot":
+        scratch = _round_up(span, 64) + plane_len + 4 * nword
+    else:
+        scratch = 2 * plane_len + _round_up(span, 64) + (plane_len if q.flavour == "mlal" else 0)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
-    desc = f"[qconv2d_dw {isa} {len(phases)} x {hp}x{wp} planes] {k.desc}"
+    rtag = " rows" if rows else (" s2 words" if s2 is not None else "")
+    desc = f"[qconv2d_dw {isa}{_tag(q)}{rtag} {len(phases)} x {hp}x{wp} planes] {k.desc}"
     return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts, scratch_dtype="int32")
 
 
