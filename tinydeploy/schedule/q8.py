@@ -165,17 +165,24 @@ def _tile(q: Q8, rows: int, cols: int, kgn: int = 0) -> tuple[int, int]:
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
+def _pairs(q: Q8, k: Kernel, w: np.ndarray) -> Q8 | None:
+    """The ISA's `pairs` flavour (SMULL pairs) where this layer's weights allow it: int8 with no
+    -128 (checked here, at build time), else None."""
+    if q.pairs is not None and k.params["TW"] in q.pairs.weights and w.size and int(w.min()) > -128:
+        return q.pairs
+    return None
+
+
 def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
     """The descriptor the im2col GEMM of this layer uses: the ISA's, or its `pairs` flavour where
-    the weights are int8 with no -128 (checked here, at build time) and its k-groups spend at
-    most an eighth of their bytes on padding. Measured on rpi4 (exact instructions): VWW's layer
-    3 (K = 8, one k-group of 16 half empty) 259 k with SMULL pairs against 187 k with SMLAL, KWS's
-    first layer (K = 40 in 48) 153 k against 139 k; whole k-groups (K = 16, 32, 64) 127 k, 204 k
-    and 174 k against 142 k, 251 k and 223 k."""
-    padded = _round_up(w.shape[-1], q.pairs.kgroup) if q.pairs is not None else 0
-    if q.pairs is not None and k.params["TW"] in q.pairs.weights and w.size and int(w.min()) > -128 and (
-            8 * (padded - w.shape[-1]) <= padded):
-        return q.pairs
+    the weights allow it (_pairs) and its k-groups spend at most an eighth of their bytes on
+    padding. Measured on rpi4 (exact instructions): VWW's layer 3 (K = 8, one k-group of 16 half
+    empty) 259 k with SMULL pairs against 187 k with SMLAL, KWS's first layer (K = 40 in 48)
+    153 k against 139 k; whole k-groups (K = 16, 32, 64) 127 k, 204 k and 174 k against 142 k,
+    251 k and 223 k."""
+    pq = _pairs(q, k, w)
+    if pq is not None and 8 * (_round_up(w.shape[-1], pq.kgroup) - w.shape[-1]) <= _round_up(w.shape[-1], pq.kgroup):
+        return pq
     return q
 
 
@@ -307,8 +314,8 @@ def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> K
     p = dict(k.params)
     w = _conv_weights(g, k)                                             # [M][C * taps]
     q = get_isa(isa).q8
-    pq = _gemm_q8(q, k, w)
-    if pq is not q and -(-p["C"] // pq.kgroup) * pq.kgroup * 4 <= 5 * p["C"]:
+    pq = _pairs(q, k, w)
+    if pq is not None and -(-p["C"] // pq.kgroup) * pq.kgroup * 4 <= 5 * p["C"]:
         q = pq                  # SMULL pairs where the channel groups of 16 waste <= 1/4
     kg = q.kgroup
     hp, wp, phases, offs = dw_geometry(p)
@@ -491,7 +498,7 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     w = _conv_weights(g, k)                                   # [C][taps]
     if q.flavour == "mlal" and _round_up(p["OH"] * wp, lanes) > lanes:
-        q = _gemm_q8(q, k, w)   # int8 weights without -128: SMULL pairs on byte planes (but for one vector a channel)
+        q = _pairs(q, k, w) or q    # int8 weights without -128: SMULL pairs on byte planes (but for one vector a channel)
     rows = dw_rows(p, q.flavour)
     if rows:                                  # no gap columns: the row form's planes are W wide
         hp, wp = p["OH"] + p["KH"] - 1, p["W"]
