@@ -13,7 +13,7 @@ from tinydeploy.ops.conv import conv_geometry, conv_macs
 from tinydeploy.ops.elementwise import broadcast_loops
 from tinydeploy.ops.pool import _geometry as pool_geometry, pool_macs
 from tinydeploy.ops.verify import axis_problem, scale_problems, shape
-from tinydeploy.quant.params import qadd_int32, qadd_ties, ties_possible
+from tinydeploy.quant.params import qadd_ties, ties_possible
 
 QTYPES = (np.dtype(np.int8), np.dtype(np.uint8))
 
@@ -107,9 +107,6 @@ def emit_qadd(node: ir.Node, g: ir.Graph) -> Kernel:
          "dims": dims, "sa": sa, "sb": sb, "ZA": q["za"], "ZB": q["zb"], "ZY": q["zy"],
          "MA": q["ma"], "MB": q["mb"], "S": q["s"], "LO": q["lo"], "HI": q["hi"],
          "TIES": qadd_ties(g.t(a).dtype, g.t(b).dtype, q["za"], q["zb"], q["ma"], q["mb"], q["s"])}
-    if len(dims) == 1 and sa == [1] and sb == [1]:      # same shapes: the int32-lane constants (NEON)
-        p["I32"] = qadd_int32(*(np.dtype(g.t(n).dtype).name for n in (a, b, y)), q["za"], q["zb"], q["zy"],
-                              q["ma"], q["mb"], q["s"], q["lo"], q["hi"])
     return Kernel("qadd", dtype_tag(g.t(y).dtype), p, [a, b, y],
                   desc=f"{list(g.t(a).shape)} + {list(g.t(b).shape)} -> {list(g.t(y).shape)}")
 

@@ -68,7 +68,7 @@ from tinydeploy.schedule.dense import _select_dense, dense_choice  # noqa: F401
 from tinydeploy.schedule.first import drop_folded
 from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
 from tinydeploy.schedule import mcu, stream
-from tinydeploy.schedule.q8 import fit_gemm, select_q8
+from tinydeploy.schedule.q8 import fit_gemm, select_q8, select_qadd
 from tinydeploy.schedule import q8wino
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
@@ -101,6 +101,8 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
     for step, k in enumerate(kernels):
         if k is not None and k.family in ("qconv2d", "qdense") and target.caches:
             k = select_q8(g, step, k, target, force)      # 8-bit (schedule/q8.py)
+        if k is not None and k.family == "qadd":
+            k = select_qadd(k, target)                  # NEON's int32-lane constants
         if k is not None and k.dtype == "f32" and k.family in ("conv2d", "dense"):
             choice = forced if forced is not None else db.get(tuning.layer_signature(k)) if db else None
             if k.family == "conv2d":

@@ -64,6 +64,7 @@ from tinydeploy.ops import Kernel
 from tinydeploy.ops.registry import new_const, scratch_arg
 from tinydeploy.schedule import q8wino
 from tinydeploy.schedule.cost import IGEMM_MAX_TAPS, _round_up, ranked_tiles
+from tinydeploy.quant.params import qadd_int32
 from tinydeploy.targets.isa import Q8, get_isa
 
 FAMILIES = ("qconv2d_gemm", "qconv2d_igemm", "qconv2d_dw", "qdense_packed")
@@ -607,6 +608,21 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
     desc = f"[qdense_packed {isa}{_tag(q)} {nrd} columns] {k.desc}"
     return Kernel("qdense_packed", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts,
                   scratch_dtype="int32")
+
+
+def select_qadd(k: Kernel, target) -> Kernel:
+    """A same-shape QAdd on an ISA whose QAdd runs in int32 lanes (Q8.qadd_int32: NEON) gets the
+    constants that reproduce the reference on every input pair (params["I32"]; None: none exist,
+    the kernel keeps its 64-bit form). Searched here, where the ISA is known, because the search
+    tries all 2^16 input pairs."""
+    p = k.params
+    isa = next((i for i in target.isas if kreg.has_variant("qadd", k.dtype, i)), None)
+    q = get_isa(isa).q8 if isa else None
+    if q is None or not q.qadd_int32 or len(p["dims"]) != 1 or p["sa"] != [1] or p["sb"] != [1]:
+        return k
+    types = (p[t][:-2] for t in ("TA", "TB", "TY"))          # "int8_t" -> "int8"
+    k.params = dict(p, I32=qadd_int32(*types, p["ZA"], p["ZB"], p["ZY"], p["MA"], p["MB"], p["S"], p["LO"], p["HI"]))
+    return k
 
 
 def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:

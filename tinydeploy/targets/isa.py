@@ -49,6 +49,9 @@ class Q8:
     # the im2col GEMM gathers its rows from zero-point-padded planes of the input, one per stride
     # phase (copied once per image and group), rather than from the image with bounds per row
     gemm_planes: bool = False
+    # its QAdd kernel runs in int32 lanes where constants reproduce the reference on every input
+    # pair (quant.params.qadd_int32, searched at build time by schedule/q8.py select_qadd)
+    qadd_int32: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ _Q8_SMULL = Q8("smull", 16, 4, ((4, 4, 1.0),), dense=8, weights=("int8_t",), sig
 # layers 715-806 k -> 338-419 k each, IC 4,193,085 -> 2,714,542 per inference. Not on SDOT
 # (neon-dotprod): its implicit GEMM takes 248 k for those layers, less than the same Winograd.
 _Q8_MLAL = Q8("mlal", 1, 4, ((12, 8, 1.0), (8, 8, 1.08), (4, 16, 1.12)), dense=16, igemm=True, pairs=_Q8_SMULL,
-              winograd=True, gemm_planes=True)
+              winograd=True, gemm_planes=True, qadd_int32=True)
 # SDOT's im2col GEMM tiles, fitted to the exact counts of every MLPerf Tiny int8 GEMM layer on
 # jetson-orin under each tile (qemu-aarch64): 4x16 takes 5-8% fewer instructions than 8x8 on the
 # long-K layers with many columns (KWS's pointwise 63.7 k -> 60.5 k, VWW layers 7-11), 12x8 on
