@@ -216,6 +216,11 @@ def test_aarch64_kernels_bit_exact(board, algo, weights, dtype, tmp_path, monkey
     src = (tmp_path / "b" / "td_kernels.c").read_text()
     assert _kernels(tmp_path / "b") == _aarch64_kernels(algo)
     assert ("vdotq_" in src) == (board == "jetson-orin")
+    # Cortex-A78AE: the 4x16 SDOT tiles in assembly (partial tiles copied out in constant sizes),
+    # the packing's last 8 columns by one more ST4, one-block im2col rows gathered unrolled
+    asm_tiles = src.count('"ld1r {v16.4s}, [%[bk]], #4')
+    assert (asm_tiles >= 1 and "} else if (cols == " in src and "the 8 up to nc again" in src
+            and "one block of all the columns" in src) == (board == "jetson-orin")
     pairs = board == "rpi4" and weights == "symmetric"
     # SMULL pairs where K fills 7/8 of its k-groups of 16: the im2col layers' K = 45, 180, 150
     # (forced), not the pointwise K = 13 nor the grouped K = 27
@@ -422,6 +427,9 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
         # keep the gap columns of rows 32 or wider), 3x9 and PL = 2
         rows = 3 if board == "jetson-orin" else (2 if weights == "symmetric" else 0)
         assert src.count(" rows 1 x ") == rows
+        # SDOT: the row form's words and every 16-output loop in assembly
+        assert src.count("BSL into the ST4 registers") == (3 if board == "jetson-orin" else 0)
+        assert ("in assembly: the accumulators v0-v3" in src) == (board == "jetson-orin")
         if board == "rpi4":                       # the phases' LD2: 16 and 8, even and odd lanes
             assert "vld2q_" in src and "vld2_" in src and ").val[1]" in src
         # SMULL groups: a triple of taps summed in int16 where the layer's weights allow it
@@ -448,6 +456,7 @@ def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
     more, else (and on Cortex-A72) the phase planes."""
     src = _dw_exact(dw_s2_model(dtype, weights), board, tmp_path)
     assert src.count(" s2 words ") == (2 if board == "jetson-orin" else 0)
+    assert ("in assembly: the accumulators v0-v3" in src) == (board == "jetson-orin")
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

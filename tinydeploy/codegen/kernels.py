@@ -48,7 +48,7 @@ ISA_C = {
     "avx512-vnni": IsaC("immintrin.h", r"\b_mm512_dpbusd_epi32\("),
     "avx-vnni": IsaC("immintrin.h", r"\b_mm256_dpbusd_avx_epi32\("),
     "neon": IsaC("arm_neon.h", r"\bv(?:fmaq|ld1q|st1q)_\w+\(|\"fmla %\[\w+\]\.4s"),     # intrinsics or asm FMLA
-    "neon-dotprod": IsaC("arm_neon.h", r"\bvdotq_(?:laneq_)?[su]32\("),
+    "neon-dotprod": IsaC("arm_neon.h", r"\bvdotq_(?:laneq_)?[su]32\(|\"sdot v\d+\.4s"),     # intrinsics or asm SDOT
     "cortex-m4-dsp": IsaC("arm_acle.h", r"\b(?:__smla\w+|__[su]xtab16|__[su]xtb16|td_dsp_\w+)\("),
     "cortex-m4-fpu": IsaC(None, r"\btd_fpu_vfma\w*\("),
 }
