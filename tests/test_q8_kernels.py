@@ -303,6 +303,26 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
     assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_smull_asm_tile_bit_exact(dtype, tmp_path):
+    """Cortex-A72's SMULL-pairs GEMM tile as one inline-assembly statement (an unsplit K): 1x1
+    layers with K = 32 (2 k-groups, unrolled) and K = 160 (10 k-groups: the loop), 6 and 9 output
+    channels (rows past M) over 3x3 pixels (9 columns: a short last panel); the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 11, "symmetric")
+    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 32, 160, (1, 1), act="relu"), 0.04, lo)
+    x, xs = requant(conv(x, xs, 160, 6, (1, 1)), 0.05, lo + 100)
+    y = conv(x, xs, 6, 9, (1, 1))
+    path = save(b.model([("x", dtype, [1, 32, 3, 3])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("[qconv2d_gemm neon smull ") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 32, 160
+
+
 @pytest.mark.parametrize("case", ["dilated", "zp-max-padded", "grouped-5x2", "no-bias-1d"])
 def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
     """The im2col GEMM's padded planes forced on tests/test_quantized.py's awkward shapes
