@@ -304,10 +304,12 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_aarch64_smull_asm_tile_bit_exact(dtype, tmp_path):
+@pytest.mark.parametrize("hw", [(3, 3), (1, 5)])
+def test_aarch64_smull_asm_tile_bit_exact(hw, dtype, tmp_path):
     """Cortex-A72's SMULL-pairs GEMM tile as one inline-assembly statement (an unsplit K): 1x1
-    layers with K = 32 (2 k-groups, unrolled) and K = 160 (10 k-groups: the loop), 6 and 9 output
-    channels (rows past M) over 3x3 pixels (9 columns: a short last panel); the same bits."""
+    layers with K = 32 (2 k-groups, unrolled) and K = 160 (10 k-groups: the loop), 160 and 6
+    output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels) and
+    1x5 (4 x 3 tiles, a short last panel); the same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     lo, hi = qrange(dtype)
@@ -315,12 +317,12 @@ def test_aarch64_smull_asm_tile_bit_exact(dtype, tmp_path):
     x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 32, 160, (1, 1), act="relu"), 0.04, lo)
     x, xs = requant(conv(x, xs, 160, 6, (1, 1)), 0.05, lo + 100)
     y = conv(x, xs, 6, 9, (1, 1))
-    path = save(b.model([("x", dtype, [1, 32, 3, 3])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
+    path = save(b.model([("x", dtype, [1, 32, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
     for seed in (0, 1):
         res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert src.count("[qconv2d_gemm neon smull ") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 32, 160
+    assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 32, 160
 
 
 @pytest.mark.parametrize("case", ["dilated", "zp-max-padded", "grouped-5x2", "no-bias-1d"])

@@ -179,6 +179,14 @@ def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
     return q
 
 
+def smull_cols(cols: int) -> int:
+    """The SMULL-pairs tile's columns (4 rows; an unsplit K: the inline-assembly tile): 3 where
+    its panels waste a tenth fewer instructions than 4's (a k-group takes 38 instructions for 4 x 3
+    outputs, 52 for 4 x 4): VWW's 3x3 layers (9 columns: 3 panels of 3 against 3 of 4, a quarter
+    of them padding)."""
+    return 3 if 10 * -(-cols // 3) * 38 <= 9 * -(-cols // 4) * 52 else 4
+
+
 def _tag(q: Q8) -> str:
     """What a kernel's description adds for a layer on the ISA's SMULL-pairs flavour."""
     return " smull" if q.flavour == "smull" else ""
@@ -248,9 +256,11 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     kgn = -(-kk // kg)
     cols = p["OH"] * p["OW"]
     mr, nr = _tile(q, mg, cols, kgn)
-    mp = _round_up(mg, mr)
     gb = _group_bytes(q)
     l1, l2 = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288)
+    if q.flavour == "smull" and (mr, nr) == (4, 4) and kgn * 4 * gb <= l2 // 2 and not os.environ.get("TINYDEPLOY_TILE"):
+        nr = smull_cols(cols)
+    mp = _round_up(mg, mr)
     # All of K in one block where a panel of NR columns over all of K fits in half of L2: measured
     # on an AVX2 host, the ResNet-50 (uint8) layers split in K (int32 partial sums kept between the
     # blocks) ran at half the speed of the same layers unsplit. Else blocks of half of L1.
