@@ -40,13 +40,14 @@ X86 = {"avx2": ((), []),
 def _chain_layers(dtype, seed, weights):
     """(QDQ builder, conv, requant) of the test chains. weights: "random" over the whole int8
     range; "symmetric" in [-127, 127] (as symmetric quantisers make them: Cortex-A72's SMULL-pair
-    kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback)."""
+    kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback);
+    "small" in [-63, 63] (the 4 x 3 SMULL tile's int16 sums over two k-groups apply)."""
     b = QDQ(seed)
 
     def wts(shape, ws, zp=0, axis=None):
         if weights == "random":
             return b.weights(shape, np.int8, ws, zp, axis=axis)
-        wq = b.rng.integers(-127, 128, shape).astype(np.int8)
+        wq = b.rng.integers(*((-63, 64) if weights == "small" else (-127, 128)), shape).astype(np.int8)
         if weights == "with-128":
             wq.flat[wq.size // 2] = -128
         return b.dq(b.const(wq), ws, zp, np.int8, axis)
@@ -304,25 +305,29 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["symmetric", "small"])
 @pytest.mark.parametrize("hw", [(3, 3), (1, 5)])
-def test_aarch64_smull_asm_tile_bit_exact(hw, dtype, tmp_path):
+def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
     """Cortex-A72's SMULL-pairs GEMM tile as one inline-assembly statement (an unsplit K): 1x1
-    layers with K = 32 (2 k-groups, unrolled) and K = 160 (10 k-groups: the loop), 160 and 6
+    layers with K = 32 (2 k-groups, unrolled) and K = 176 (11 k-groups: the loop), 176 and 6
     output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels) and
-    1x5 (4 x 3 tiles, a short last panel); the same bits."""
+    1x5 (4 x 3 tiles, a short last panel); weights within [-63, 63] take the int16 sums over
+    two k-groups (quad: K = 32 one pair, K = 176 one k-group then a loop of 5 pairs); the same
+    bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     lo, hi = qrange(dtype)
-    b, conv, requant, _ = _chain_layers(dtype, 11, "symmetric")
-    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 32, 160, (1, 1), act="relu"), 0.04, lo)
-    x, xs = requant(conv(x, xs, 160, 6, (1, 1)), 0.05, lo + 100)
+    b, conv, requant, _ = _chain_layers(dtype, 11, weights)
+    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 32, 176, (1, 1), act="relu"), 0.04, lo)
+    x, xs = requant(conv(x, xs, 176, 6, (1, 1)), 0.05, lo + 100)
     y = conv(x, xs, 6, 9, (1, 1))
     path = save(b.model([("x", dtype, [1, 32, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
     for seed in (0, 1):
         res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 32, 160
+    quad = " quad" if weights == "small" else ""
+    assert src.count(f"[qconv2d_gemm neon smull 4x3{quad} kc") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K 32, 176
 
 
 @pytest.mark.parametrize("case", ["dilated", "zp-max-padded", "grouped-5x2", "no-bias-1d"])
@@ -341,6 +346,24 @@ def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
             res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
             assert res["exact_reference"]["identical"] and res["outputs_match"], (case, dtype, board, res)
             assert " im2col planes] " in (tmp_path / board / "td_kernels.c").read_text()
+
+
+def test_smull_quad_bound():
+    """The int16 sums over two k-groups only where every lane's four |w| add up to at most 255
+    (128 * 255 = 32640 fits int16, 128 * 256 does not); the k-groups paired from the first, or
+    from the second where their number is odd; 4 x 3 tiles where quad pays (schedule/q8.py)."""
+    from tinydeploy.schedule import q8
+    w = np.zeros((5, 32), np.int64)
+    w[3, [2, 10, 18, 26]] = [127, -127, 1, 0]            # lane 2 of k-groups 0 and 1: 255
+    assert q8.smull_quad(w, 2)
+    w[3, 26] = -1                                         # 256
+    assert not q8.smull_quad(w, 2)
+    assert q8.smull_quad(w[:, :24], 2)                    # k 24.. padding
+    w3 = np.zeros((2, 48), np.int64)
+    w3[1, [0, 8, 16, 24]] = 127                           # k-group 0 alone, then the pair (1, 2)
+    assert q8.smull_quad(w3, 3) and not q8.smull_quad(w3[:, :32], 2)
+    assert not q8.smull_quad(w3[:, :16], 1)
+    assert q8.smull_cols(9) == 3 and q8.smull_cols(36) == 4 and q8.smull_cols(36, True) == 3
 
 
 def test_sdot_gemm_tiles_by_instructions(monkeypatch):

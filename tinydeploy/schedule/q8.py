@@ -179,12 +179,28 @@ def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
     return q
 
 
-def smull_cols(cols: int) -> int:
+def smull_cols(cols: int, quad: bool = False) -> int:
     """The SMULL-pairs tile's columns (4 rows; an unsplit K: the inline-assembly tile): 3 where
     its panels waste a tenth fewer instructions than 4's (a k-group takes 38 instructions for 4 x 3
-    outputs, 52 for 4 x 4): VWW's 3x3 layers (9 columns: 3 panels of 3 against 3 of 4, a quarter
-    of them padding)."""
-    return 3 if 10 * -(-cols // 3) * 38 <= 9 * -(-cols // 4) * 52 else 4
+    outputs, 32 with `quad`, 52 for 4 x 4): VWW's 3x3 layers (9 columns: 3 panels of 3 against 3
+    of 4, a quarter of them padding), and every layer whose weights allow quad."""
+    return 3 if 10 * -(-cols // 3) * (32 if quad else 38) <= 9 * -(-cols // 4) * 52 else 4
+
+
+def smull_quad(w: np.ndarray, kgn: int) -> bool:
+    """Whether the 4 x 3 SMULL tile may sum two k-groups' products in int16 before SADALP: the four
+    int8 products an int16 lane gathers (k = j, 8 + j of a k-group of 16 and of the next; the pairs
+    (0, 1), (2, 3) .. of the KGN k-groups, or (1, 2), (3, 4) .. where KGN is odd) are at most 128
+    times the sum of their |w| (activations as signed bytes: |v| <= 128), which must stay within
+    int16: |w| summing to at most 255 in every row's lanes. w: [M][K] int8 weights."""
+    if kgn < 2 or not w.size:
+        return False
+    a = np.zeros((w.shape[0], kgn * 16), np.int64)
+    a[:, :w.shape[1]] = np.abs(w)
+    lanes = a.reshape(len(a), kgn, 2, 8).sum(axis=2)
+    s0 = kgn % 2
+    pairs = lanes[:, s0:].reshape(len(a), -1, 2, 8).sum(axis=2)
+    return 128 * int(pairs.max()) <= 32767
 
 
 def _tag(q: Q8) -> str:
@@ -258,8 +274,11 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     mr, nr = _tile(q, mg, cols, kgn)
     gb = _group_bytes(q)
     l1, l2 = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288)
+    quad = False
     if q.flavour == "smull" and (mr, nr) == (4, 4) and kgn * 4 * gb <= l2 // 2 and not os.environ.get("TINYDEPLOY_TILE"):
-        nr = smull_cols(cols)
+        quad = smull_quad(w, kgn)
+        nr = smull_cols(cols, quad)
+        quad = quad and nr == 3
     mp = _round_up(mg, mr)
     # All of K in one block where a panel of NR columns over all of K fits in half of L2: measured
     # on an AVX2 host, the ResNet-50 (uint8) layers split in K (int32 partial sums kept between the
@@ -284,14 +303,14 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
         p["OH"], p["OW"]) == (p["H"], p["W"])
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
              NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
-             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes)
+             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes, QUAD=quad)
     if p["PLANES"]:           # the padded planes of a group's channels, one per stride phase
         hp, wp, phases, offs = dw_geometry(p)
         p.update(PHP=hp, PWP=wp, PPH=phases, POFFS=offs, PPLS=len(phases) * hp * wp)
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     how = "direct" if direct else "im2col planes" if p["PLANES"] else "im2col"
-    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr}{' quad' if quad else ''} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
 
