@@ -41,13 +41,16 @@ def _chain_layers(dtype, seed, weights):
     """(QDQ builder, conv, requant) of the test chains. weights: "random" over the whole int8
     range; "symmetric" in [-127, 127] (as symmetric quantisers make them: Cortex-A72's SMULL-pair
     kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback);
-    "small" in [-63, 63] (the 4 x 3 SMULL tile's int16 sums over two k-groups apply)."""
+    "small" in [-63, 63] (the 4 x 3 SMULL tile's int16 sums over two k-groups apply); "spread"
+    in [-20, 20] but +-127 at k = 0 and 8 (they apply to 1x1 layers in another order of K)."""
     b = QDQ(seed)
 
     def wts(shape, ws, zp=0, axis=None):
         if weights == "random":
             return b.weights(shape, np.int8, ws, zp, axis=axis)
-        wq = b.rng.integers(*((-63, 64) if weights == "small" else (-127, 128)), shape).astype(np.int8)
+        wq = b.rng.integers(*{"small": (-63, 64), "spread": (-20, 21)}.get(weights, (-127, 128)), shape).astype(np.int8)
+        if weights == "spread" and wq[0].size > 8:    # k = 0 and 8 share a lane: |w| summing to 254
+            wq.reshape(shape[0], -1)[:, [0, 8]] = [127, -127]
         if weights == "with-128":
             wq.flat[wq.size // 2] = -128
         return b.dq(b.const(wq), ws, zp, np.int8, axis)
@@ -305,15 +308,16 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("weights", ["symmetric", "small"])
+@pytest.mark.parametrize("weights", ["symmetric", "small", "spread"])
 @pytest.mark.parametrize("hw", [(3, 3), (1, 5)])
 def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
     """Cortex-A72's SMULL-pairs GEMM tile as one inline-assembly statement (an unsplit K): 1x1
     layers with K = 32 (2 k-groups, unrolled) and K = 176 (11 k-groups: the loop), 176 and 6
     output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels) and
     1x5 (4 x 3 tiles, a short last panel); weights within [-63, 63] take the int16 sums over
-    two k-groups (quad: K = 32 one pair, K = 176 one k-group then a loop of 5 pairs); the same
-    bits."""
+    two k-groups (quad: K = 32 one pair, K = 176 one k-group then a loop of 5 pairs); weights
+    with two heavy channels in one lane take it for K = 32 with K reordered (kp_), for K = 176
+    in its order (11 k-groups: the heavy k-group 0 is summed alone); the same bits."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     lo, hi = qrange(dtype)
@@ -326,8 +330,9 @@ def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
         res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    quad = " quad" if weights == "small" else ""
-    assert src.count(f"[qconv2d_gemm neon smull 4x3{quad} kc") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K 32, 176
+    assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K 32, 176
+    assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == {"symmetric": 0, "small": 2, "spread": 2}[weights]
+    assert ("kp_[" in src) == (weights == "spread")
 
 
 @pytest.mark.parametrize("case", ["dilated", "zp-max-padded", "grouped-5x2", "no-bias-1d"])
@@ -363,7 +368,8 @@ def test_smull_quad_bound():
     w3[1, [0, 8, 16, 24]] = 127                           # k-group 0 alone, then the pair (1, 2)
     assert q8.smull_quad(w3, 3) and not q8.smull_quad(w3[:, :32], 2)
     assert not q8.smull_quad(w3[:, :16], 1)
-    assert q8.smull_cols(9) == 3 and q8.smull_cols(36) == 4 and q8.smull_cols(36, True) == 3
+    assert q8.smull_cols(9, 8) == 3 and q8.smull_cols(36, 8) == 4 and q8.smull_cols(36, 8, True) == 3
+    assert q8.smull_cols(576, 2, True) == 4 and q8.smull_cols(125, 4) == 4
 
 
 def test_sdot_gemm_tiles_by_instructions(monkeypatch):
