@@ -323,7 +323,8 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     quad, kperm = False, None
     direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0 and (
         p["OH"], p["OW"]) == (p["H"], p["W"])
-    if q.flavour == "smull" and (mr, nr) == (4, 4) and kgn * 4 * gb <= l2 // 2 and not os.environ.get("TINYDEPLOY_TILE"):
+    if q.flavour == "smull" and (mr, nr) == (4, 4) and kgn >= 2 and kgn * 4 * gb <= l2 // 2 and not os.environ.get(
+            "TINYDEPLOY_TILE"):
         quad = smull_quad(w, kgn)
         if not quad and direct and G == 1 and kk % 32 == 0:
             kperm = smull_quad_order(w)
