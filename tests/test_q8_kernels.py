@@ -309,12 +309,13 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["symmetric", "small", "spread"])
-@pytest.mark.parametrize("hw", [(3, 3), (1, 5)])
+@pytest.mark.parametrize("hw", [(3, 3), (1, 5), (6, 6)])
 def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
     """Cortex-A72's SMULL-pairs GEMM tile as one inline-assembly statement (an unsplit K): 1x1
     layers with K = 32 (2 k-groups, unrolled) and K = 176 (11 k-groups: the loop), 176 and 6
-    output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels) and
-    1x5 (4 x 3 tiles, a short last panel); weights within [-63, 63] take the int16 sums over
+    output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels),
+    1x5 (4 x 3 tiles, a short last panel) and 6x6 (36 columns: 4 x 3 panels packed 16 columns at
+    a time); weights within [-63, 63] take the int16 sums over
     two k-groups (quad: K = 32 one pair, K = 176 one k-group then a loop of 5 pairs); weights
     with two heavy channels in one lane take it for K = 32 with K reordered (kp_), for K = 176
     in its order (11 k-groups: the heavy k-group 0 is summed alone); the same bits."""
@@ -330,7 +331,11 @@ def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
         res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
     src = (tmp_path / "b" / "td_kernels.c").read_text()
-    assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2 and src.count("\"b.ne 1b\\n\\t\"") == 1    # K 32, 176
+    assert src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 176
+    if hw == (6, 6):          # 36 columns: 4 x 3 only with quad and K = 176 (panels of 16 columns packed)
+        assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == (weights != "symmetric")
+        return
+    assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2
     assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == {"symmetric": 0, "small": 2, "spread": 2}[weights]
     assert ("kp_[" in src) == (weights == "spread")
 

@@ -18,7 +18,10 @@ descriptor says how it multiplies exactly:
   smull the im2col GEMM of an mlal ISA where the layer's int8 weights hold no -128 (Q8.pairs,
         checked here at build time) and K fills 7/8 of its k-groups of 16 or more: int8 x int8
         products in int16 (SMULL), two summed (SMLAL2; |pair| <= 2 * 127 * 128 < 2^15), pairs of
-        those into int32 (SADALP); activations and bias as for dot (signed).
+        those into int32 (SADALP); activations and bias as for dot (signed). Where K is unsplit
+        over 2 k-groups or more the tile is inline assembly, 4 x 4 or 4 x 3 (smull_cols); "quad"
+        4 x 3 tiles sum two k-groups' products in int16 before SADALP where the weights prove
+        it (smull_quad; 1x1 layers also in another order of K, smull_quad_order).
 
 Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
 qdense_packed.c.j2; the ISA pieces in _q8.j2):
