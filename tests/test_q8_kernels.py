@@ -40,13 +40,17 @@ X86 = {"avx2": ((), []),
 def _chain_layers(dtype, seed, weights):
     """(QDQ builder, conv, requant) of the test chains. weights: "random" over the whole int8
     range; "symmetric" in [-127, 127] (as symmetric quantisers make them: Cortex-A72's SMULL-pair
-    kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback)."""
+    kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback);
+    "small" in [-63, 63] (the 4 x 3 SMULL tile's int16 sums over two k-groups apply); "spread"
+    in [-20, 20] but +-127 at k = 0 and 8 (they apply to 1x1 layers in another order of K)."""
     b = QDQ(seed)
 
     def wts(shape, ws, zp=0, axis=None):
         if weights == "random":
             return b.weights(shape, np.int8, ws, zp, axis=axis)
-        wq = b.rng.integers(-127, 128, shape).astype(np.int8)
+        wq = b.rng.integers(*{"small": (-63, 64), "spread": (-20, 21)}.get(weights, (-127, 128)), shape).astype(np.int8)
+        if weights == "spread" and wq[0].size > 8:    # k = 0 and 8 share a lane: |w| summing to 254
+            wq.reshape(shape[0], -1)[:, [0, 8]] = [127, -127]
         if weights == "with-128":
             wq.flat[wq.size // 2] = -128
         return b.dq(b.const(wq), ws, zp, np.int8, axis)
@@ -308,6 +312,39 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
     assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["symmetric", "small", "spread"])
+@pytest.mark.parametrize("hw", [(3, 3), (1, 5), (6, 6)])
+def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
+    """Cortex-A72's SMULL-pairs GEMM tile as one inline-assembly statement (an unsplit K): 1x1
+    layers with K = 32 (2 k-groups, unrolled) and K = 176 (11 k-groups: the loop), 176 and 6
+    output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels),
+    1x5 (4 x 3 tiles, a short last panel) and 6x6 (36 columns: 4 x 3 panels packed 16 columns at
+    a time); weights within [-63, 63] take the int16 sums over
+    two k-groups (quad: K = 32 one pair, K = 176 one k-group then a loop of 5 pairs); weights
+    with two heavy channels in one lane take it for K = 32 with K reordered (kp_), for K = 176
+    in its order (11 k-groups: the heavy k-group 0 is summed alone); the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 11, weights)
+    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 32, 176, (1, 1), act="relu"), 0.04, lo)
+    x, xs = requant(conv(x, xs, 176, 6, (1, 1)), 0.05, lo + 100)
+    y = conv(x, xs, 6, 9, (1, 1))
+    path = save(b.model([("x", dtype, [1, 32, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 176
+    if hw == (6, 6):          # 36 columns: 4 x 3 only with quad and K = 176 (panels of 16 columns packed)
+        assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == (weights != "symmetric")
+        return
+    assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2
+    assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == {"symmetric": 0, "small": 2, "spread": 2}[weights]
+    assert ("kp_[" in src) == (weights == "spread")
+
+
 @pytest.mark.parametrize("case", ["dilated", "zp-max-padded", "grouped-5x2", "no-bias-1d"])
 def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
     """The im2col GEMM's padded planes forced on tests/test_quantized.py's awkward shapes
@@ -324,6 +361,25 @@ def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
             res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
             assert res["exact_reference"]["identical"] and res["outputs_match"], (case, dtype, board, res)
             assert " im2col planes] " in (tmp_path / board / "td_kernels.c").read_text()
+
+
+def test_smull_quad_bound():
+    """The int16 sums over two k-groups only where every lane's four |w| add up to at most 255
+    (128 * 255 = 32640 fits int16, 128 * 256 does not); the k-groups paired from the first, or
+    from the second where their number is odd; 4 x 3 tiles where quad pays (schedule/q8.py)."""
+    from tinydeploy.schedule import q8
+    w = np.zeros((5, 32), np.int64)
+    w[3, [2, 10, 18, 26]] = [127, -127, 1, 0]            # lane 2 of k-groups 0 and 1: 255
+    assert q8.smull_quad(w, 2)
+    w[3, 26] = -1                                         # 256
+    assert not q8.smull_quad(w, 2)
+    assert q8.smull_quad(w[:, :24], 2)                    # k 24.. padding
+    w3 = np.zeros((2, 48), np.int64)
+    w3[1, [0, 8, 16, 24]] = 127                           # k-group 0 alone, then the pair (1, 2)
+    assert q8.smull_quad(w3, 3) and not q8.smull_quad(w3[:, :32], 2)
+    assert not q8.smull_quad(w3[:, :16], 1)
+    assert q8.smull_cols(9, 8) == 3 and q8.smull_cols(36, 8) == 4 and q8.smull_cols(36, 8, True) == 3
+    assert q8.smull_cols(576, 2, True) == 4 and q8.smull_cols(125, 4) == 4
 
 
 def test_sdot_gemm_tiles_by_instructions(monkeypatch):

@@ -18,7 +18,10 @@ descriptor says how it multiplies exactly:
   smull the im2col GEMM of an mlal ISA where the layer's int8 weights hold no -128 (Q8.pairs,
         checked here at build time) and K fills 7/8 of its k-groups of 16 or more: int8 x int8
         products in int16 (SMULL), two summed (SMLAL2; |pair| <= 2 * 127 * 128 < 2^15), pairs of
-        those into int32 (SADALP); activations and bias as for dot (signed).
+        those into int32 (SADALP); activations and bias as for dot (signed). Where K is unsplit
+        over 2 k-groups or more the tile is inline assembly, 4 x 4 or 4 x 3 (smull_cols); "quad"
+        4 x 3 tiles sum two k-groups' products in int16 before SADALP where the weights prove
+        it (smull_quad; 1x1 layers also in another order of K, smull_quad_order).
 
 Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
 qdense_packed.c.j2; the ISA pieces in _q8.j2):
@@ -187,6 +190,76 @@ def _gemm_q8(q: Q8, k: Kernel, w: np.ndarray) -> Q8:
     return q
 
 
+def smull_cols(cols: int, kgn: int, quad: bool = False) -> int:
+    """The SMULL-pairs tile's columns (4 rows; an unsplit K: the inline-assembly tile): 3 where its
+    panels take fewer instructions than 4's by the exact counts' model, per tile kgn k-groups of 52
+    instructions (4 x 4), 38 (4 x 3) or 32 (4 x 3 quad), plus about 64 for the sums'
+    reduction, the requantisation and the loops: VWW's 3x3 layers (9 columns: 3 panels of 3
+    against 3 of 4, a quarter of them padding), its 6x6 layers with quad (K = 128); not where K
+    is short (VWW's layer 7, K = 32 on 576 columns, quad: 198.6 k against 195.0 k)."""
+    c4 = -(-cols // 4) * (kgn * 52 + 64)
+    c3 = -(-cols // 3) * (kgn * (32 if quad else 38) + 64)
+    return 3 if 100 * c3 < 97 * c4 else 4
+
+
+def smull_quad(w: np.ndarray, kgn: int) -> bool:
+    """Whether the 4 x 3 SMULL tile may sum two k-groups' products in int16 before SADALP: the four
+    int8 products an int16 lane gathers (k = j, 8 + j of a k-group of 16 and of the next; the pairs
+    (0, 1), (2, 3) .. of the KGN k-groups, or (1, 2), (3, 4) .. where KGN is odd) are at most 128
+    times the sum of their |w| (activations as signed bytes: |v| <= 128), which must stay within
+    int16: |w| summing to at most 255 in every row's lanes. w: [M][K] int8 weights."""
+    if kgn < 2 or not w.size:
+        return False
+    a = np.zeros((w.shape[0], kgn * 16), np.int64)
+    a[:, :w.shape[1]] = np.abs(w)
+    lanes = a.reshape(len(a), kgn, 2, 8).sum(axis=2)
+    s0 = kgn % 2
+    pairs = lanes[:, s0:].reshape(len(a), -1, 2, 8).sum(axis=2)
+    return 128 * int(pairs.max()) <= 32767
+
+
+def smull_quad_order(w: np.ndarray, tries: int = 4000) -> np.ndarray | None:
+    """An order of K (K a multiple of 32, a 1x1 layer: B's rows are the input channels, read in
+    this order) under which smull_quad holds, or None: the channels dealt into the K/4 lane
+    quads (4 positions an int16 lane sums) largest |w| first, then swaps between quads that
+    lower the excess over 255 (summed over rows and quads), from a fixed seed (the same order for
+    the same weights). VWW's 128-channel layers 15, 17 and its 32-channel layer 7 find one, KWS's
+    do not (their quads of the largest |w| exceed 255 in some row whatever the order)."""
+    a = np.abs(np.asarray(w, np.int64))
+    m, k = a.shape
+    nq = k // 4
+    order = np.argsort(-a.sum(axis=0), kind="stable")
+    g = np.zeros((nq, 4), np.int64)
+    for i, c in enumerate(order):            # snake: the largest spread over the quads
+        r, j = divmod(i, nq)
+        g[j if r % 2 == 0 else nq - 1 - j, r] = c
+    s = a[:, g].sum(axis=2)                  # [M][quads]
+    over = int(np.maximum(s - 255, 0).sum())
+    rng = np.random.default_rng(0)
+    for _ in range(tries):
+        if over == 0:
+            break
+        bad = np.argwhere(s > 255)
+        q1 = int(bad[rng.integers(len(bad))][1])
+        q2, i1, i2 = int(rng.integers(nq)), int(rng.integers(4)), int(rng.integers(4))
+        if q2 == q1:
+            continue
+        d = a[:, g[q2, i2]] - a[:, g[q1, i1]]
+        n1, n2 = s[:, q1] + d, s[:, q2] - d
+        new = over - int(np.maximum(s[:, q1] - 255, 0).sum() + np.maximum(s[:, q2] - 255, 0).sum()) + int(
+            np.maximum(n1 - 255, 0).sum() + np.maximum(n2 - 255, 0).sum())
+        if new <= over:
+            g[q1, i1], g[q2, i2] = g[q2, i2], g[q1, i1]
+            s[:, q1], s[:, q2], over = n1, n2, new
+    if over:
+        return None
+    perm = np.zeros(k, np.int64)             # quad (pair i, lane j) -> k-positions 32 i + j + 8 t
+    for qd in range(nq):
+        i, j = divmod(qd, 8)
+        perm[32 * i + j + 8 * np.arange(4)] = g[qd]
+    return perm if smull_quad(a[:, perm], k // 16) else None
+
+
 def _tag(q: Q8) -> str:
     """What a kernel's description adds for a layer on the ISA's SMULL-pairs flavour."""
     return " smull" if q.flavour == "smull" else ""
@@ -256,9 +329,24 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     kgn = -(-kk // kg)
     cols = p["OH"] * p["OW"]
     mr, nr = _tile(q, mg, cols, kgn)
-    mp = _round_up(mg, mr)
     gb = _group_bytes(q)
     l1, l2 = int(target.l1d_bytes or 32768), int(target.l2_bytes or 524288)
+    quad, kperm = False, None
+    direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0 and (
+        p["OH"], p["OW"]) == (p["H"], p["W"])
+    if q.flavour == "smull" and (mr, nr) == (4, 4) and kgn >= 2 and kgn * 4 * gb <= l2 // 2 and not os.environ.get(
+            "TINYDEPLOY_TILE"):
+        quad = smull_quad(w, kgn)
+        if not quad and direct and G == 1 and kk % 32 == 0:
+            kperm = smull_quad_order(w)
+            quad = kperm is not None
+        nr = smull_cols(cols, kgn, quad)
+        quad = quad and nr == 3
+        if not quad:
+            kperm = None
+        elif kperm is not None:
+            w = w[:, kperm]           # packed k-position i holds input channel kperm[i]
+    mp = _round_up(mg, mr)
     # All of K in one block where a panel of NR columns over all of K fits in half of L2: measured
     # on an AVX2 host, the ResNet-50 (uint8) layers split in K (int32 partial sums kept between the
     # blocks) ran at half the speed of the same layers unsplit. Else blocks of half of L1.
@@ -278,18 +366,17 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     wdat = wp.astype(np.int8) if q.flavour == "smull" else group_words(wp, q.flavour)
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], mg, mp)
-    direct = p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0 and (
-        p["OH"], p["OW"]) == (p["H"], p["W"])
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
              NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
-             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes)
+             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes, QUAD=quad,
+             KPERM=[int(v) for v in kperm] if kperm is not None else [])
     if p["PLANES"]:           # the padded planes of a group's channels, one per stride phase
         hp, wp, phases, offs = dw_geometry(p)
         p.update(PHP=hp, PWP=wp, PPH=phases, POFFS=offs, PPLS=len(phases) * hp * wp)
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     how = "direct" if direct else "im2col planes" if p["PLANES"] else "im2col"
-    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr}{' quad' if quad else ''} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
 
