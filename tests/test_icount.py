@@ -149,7 +149,9 @@ def test_int8_inferences_count_the_same(tmp_path):
     """The arena reuses the input's bytes: the harness puts the inputs back before every inference,
     so the 3-inference run counts each one like the first (8-bit kernels' counts depend on data)."""
     res = flow.run(mlperf_model("kws_dscnn_int8.onnx"), "rpi4", outdir=tmp_path / "b", quiet=True, emulate=True)
-    assert res["outputs_match"] and res["latency"]["exact"] and res["latency"]["instructions"] > 1_000_000
+    # KWS's 2,664,768 MACs at no more than 16 per instruction (one SDOT; rpi4 has none): a whole
+    # inference, not a part of one
+    assert res["outputs_match"] and res["latency"]["exact"] and res["latency"]["instructions"] > 2_664_768 // 16
 
 
 def test_bench_emulate_per_inference_and_per_layer(tiny):
