@@ -100,7 +100,8 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
     out: list[Kernel | None] = []
     for step, k in enumerate(kernels):
         if k is not None and k.family in ("qconv2d", "qdense") and target.caches:
-            k = select_q8(g, step, k, target, force)      # 8-bit (schedule/q8.py)
+            # 8-bit: the exact integer Winograd where it applies (schedule/q8wino.py), else q8.py's
+            k = q8wino.select_q8wino(g, step, k, target, force) or select_q8(g, step, k, target, force)
         if k is not None and k.family == "qadd":
             k = select_qadd(k, target)                  # NEON's int32-lane constants
         if k is not None and k.dtype == "f32" and k.family in ("conv2d", "dense"):

@@ -47,7 +47,7 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
                  igemm_preferred.
   qconv2d_winograd  3x3 stride-1 one-group layers as an exact integer Winograd F(2x2, 3x3) where
                  the ISA's descriptor asks for it (Q8.winograd) and the weights prove it exact:
-                 schedule/q8wino.py (select_q8 calls it before the GEMMs).
+                 schedule/q8wino.py (select_kernels asks it before select_q8).
   qdense_packed  fully connected: output columns in the vector lanes (weights packed at build
                  time [N/NRD][KGN][NRD][KG], int8 kept int8 and widened as loaded), the input
                  row broadcast a k-group at a time, the requantisation per column in registers.
@@ -65,7 +65,6 @@ from tinydeploy import ir
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
 from tinydeploy.ops.registry import new_const, scratch_arg
-from tinydeploy.schedule import q8wino
 from tinydeploy.schedule.cost import IGEMM_MAX_TAPS, _round_up, ranked_tiles
 from tinydeploy.quant.params import qadd_int32
 from tinydeploy.targets.isa import Q8, get_isa
@@ -724,10 +723,6 @@ def select_q8(g: ir.Graph, step: int, k: Kernel, target, force: str) -> Kernel:
             isa = q8_isa("qconv2d_igemm", k, target) if force != "ref" else None
             if isa is not None and igemm_preferred(get_isa(isa).q8, p, force):
                 fam = "qconv2d_igemm"
-            if isa is not None and q8wino.preferred(p, _conv_weights(g, k), k.tensor(k.args[2], g).data, isa,
-                                                     k.dtype, force):
-                return q8wino.select(g, step, k, target, isa, _conv_weights(g, k), requant_scales(
-                    k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data))
     elif k.family == "qdense":
         fam = "qdense_packed"
     isa = q8_isa(fam, k, target) if fam and force != "ref" else None

@@ -1,8 +1,8 @@
 """8-bit 3x3 stride-1 convolutions as an exact integer Winograd F(2x2, 3x3) (qconv2d_winograd,
 template firmware_templates/kernels/qconv2d_winograd.c.j2), where the ISA's 8-bit descriptor asks
 for it (targets/isa.py Q8.winograd: Cortex-A72's SMLAL by lane, AVX2's vpmaddwd on pairs of input
-channels) and the layer's weights prove it exact. schedule/q8.py select_q8 calls `preferred` and
-`select`; the planner sizes its blocks (`fit`).
+channels) and the layer's weights prove it exact. schedule/__init__.py select_kernels asks
+`select_q8wino` before schedule/q8.py's select_q8; the planner sizes its blocks (`fit`).
 
 Why it is exact. With G' = 2G (integer entries: [[2,0,0],[1,1,1],[1,-1,1],[0,0,2]]), B^T and A^T of
 Lavin and Gray's F(2x2, 3x3):
@@ -40,6 +40,7 @@ from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
 from tinydeploy.ops.registry import new_const, scratch_arg
 from tinydeploy.schedule.cost import _round_up
+from tinydeploy.schedule.q8 import _conv_weights, group_words, q8_isa, requant_scales, wrap32
 from tinydeploy.targets.isa import get_isa
 
 G2 = np.array([[2, 0, 0], [1, 1, 1], [1, -1, 1], [0, 0, 2]], np.int64)       # G' = 2 G
@@ -78,6 +79,21 @@ def exact_for(p: dict, w: np.ndarray, bias: np.ndarray) -> bool:
         return False
     bound = np.abs(w).sum(axis=1) * _xmax(p) + np.abs(np.asarray(bias, np.int64))
     return bool((bound < ACC_BOUND).all())
+
+
+def select_q8wino(g, step: int, k: Kernel, target, force: str) -> Kernel | None:
+    """The qconv2d_winograd kernel of a QConv layer where `preferred` says so (on the ISA its
+    implicit GEMM would use), else None (schedule/q8.py select_q8 chooses)."""
+    if k.family != "qconv2d" or force == "ref":
+        return None
+    isa = q8_isa("qconv2d_igemm", k, target)
+    if isa is None:
+        return None
+    w = _conv_weights(g, k)
+    if not preferred(k.params, w, k.tensor(k.args[2], g).data, isa, k.dtype, force):
+        return None
+    return select(g, step, k, target, isa, w, requant_scales(k.tensor(k.args[3], g).data,
+                                                              k.tensor(k.args[4], g).data))
 
 
 def preferred(p: dict, w: np.ndarray, bias: np.ndarray, isa: str, dtype: str, force: str) -> bool:
@@ -155,8 +171,7 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     u = np.zeros((16, mp, cp), np.int64)
     u[:, :m, :c] = transform_weights(w, m, c)
     if p["X86"]:        # [MP/4][16][CP/2][4] int32 words of (U[2c], U[2c + 1])
-        u = u.reshape(16, mp // X86_MR, X86_MR, cp // 2, 2).transpose(1, 0, 3, 2, 4)
-        u = ((u[..., 0] & 0xFFFF) | ((u[..., 1] & 0xFFFF) << 16)).astype(np.uint32).view(np.int32)
+        u = group_words(u.reshape(16, mp // X86_MR, X86_MR, cp // 2, 2).transpose(1, 0, 3, 2, 4), "madd")
     else:
         u = u.reshape(16, mp // MR, MR, cp).transpose(1, 0, 3, 2).astype(np.int16)    # [MP/8][16][CP][8]
     bk = np.zeros(mp, np.int64)
@@ -166,7 +181,7 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     consts = {}
     base = k.args[1] + "_wino_" + isa.replace("-", "_")
     wname = new_const(g, consts, base, u.reshape(-1))
-    bname = new_const(g, consts, base + "_bias", (bk & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
+    bname = new_const(g, consts, base + "_bias", wrap32(bk))
     rname = new_const(g, consts, base + "_requant_scale", rk)
     rb_max = geometry(p, hi)["RB"]
     if p["X86"]:        # at least two GEMM panels of 16 tiles a block (else the last panel is mostly waste)
