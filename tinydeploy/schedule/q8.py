@@ -551,8 +551,9 @@ def dw_groups(w: np.ndarray) -> list[list[int]]:
     128 P + 127 N <= 32768, P and N the sums of its positive weights and of the negatives'
     magnitudes; the least largest P + N), else the last tap alone."""
     taps = w.shape[1]
+    pairs = [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
     if taps % 2 == 0 or taps < 3:
-        return [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
+        return pairs
     best = None
     for tri in itertools.combinations(range(taps), 3):
         pos, neg = np.maximum(w[:, tri], 0).sum(1), np.maximum(-w[:, tri], 0).sum(1)
@@ -561,7 +562,7 @@ def dw_groups(w: np.ndarray) -> list[list[int]]:
             if best is None or size < best[0]:
                 best = (size, list(tri))
     if best is None:
-        return [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
+        return pairs
     rest = [t for t in range(taps) if t not in best[1]]
     return [best[1]] + [rest[i:i + 2] for i in range(0, len(rest), 2)]
 
@@ -612,9 +613,8 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
         runs = [(ky * wp, list(range(ky * p["KW"], (ky + 1) * p["KW"]))) for ky in range(p["KH"])]
     elif q.flavour == "dot":                  # SDOT: taps in runs of offsets [o, o + 4) (dw_runs)
         runs = dw_runs(offs)
-        if not rows:
-            nword = _round_up(max(o for o, _ in runs) + span, 16)
-            plane_len = _round_up(max(planes, nword + 16), 16)   # the words' bytes, read 16 at a time
+        nword = _round_up(max(o for o, _ in runs) + span, 16)
+        plane_len = _round_up(max(planes, nword + 16), 16)       # the words' bytes, read 16 at a time
     for ph in phases:                 # the plane rows [rlo, rhi) that come from the image
         ph["rlo"] = min(max(0, -(-(p["PT"] - ph["py"]) // p["SH"])), hp)
         ph["rhi"] = max(min(hp, -(-(p["H"] + p["PT"] - ph["py"]) // p["SH"])), ph["rlo"])
