@@ -157,3 +157,21 @@ def test_threads_refused_for_microcontrollers(model, capsys):
     assert "Linux boards" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert cli.main(["build", "--threads", "0", str(model)]) == 2
     assert "--threads must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("board", ["host", "rpi4"])
+def test_8bit_implicit_gemm_threaded_bit_exact(board, tmp_path, monkeypatch):
+    """qconv2d_igemm on 2 threads (the planes of disjoint channel groups, then the tiles): IC int8's
+    stride-2 3x3 layers on rpi4 (where the implicit GEMM is chosen; under qemu-aarch64), and every
+    KxK layer forced onto it on the host: bit for bit with the exact reference."""
+    require("gcc")
+    if board == "rpi4":
+        require("aarch64-linux-gnu-gcc")
+        require("qemu-aarch64")
+    else:
+        monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_igemm")
+    res = flow.run(mlperf_model("ic_resnet8_int8.onnx"), board, outdir=tmp_path / "b", quiet=True, latency=False,
+                   emulate=board != "host", threads=2)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert re.search(r"\[qconv2d_igemm [^]]* threads 2\]", src) and PRAGMA.search(src)

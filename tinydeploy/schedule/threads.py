@@ -15,7 +15,7 @@ from tinydeploy.schedule.cost import _round_up
 
 MIN_THREAD_MACS = 65536     # least work per thread worth an OpenMP fork/join (a few microseconds)
 THREADED = ("conv2d_gemm", "conv2d_igemm", "conv2d_gemmt", "conv2d_dw", "dense_packed",
-            "qconv2d_gemm", "qconv2d_dw", "qdense_packed")
+            "qconv2d_gemm", "qconv2d_igemm", "qconv2d_dw", "qdense_packed")
 _PER_THREAD_SCRATCH = ("conv2d_gemm", "conv2d_dw", "dense_packed",
                        "qconv2d_gemm", "qconv2d_dw")   # the others share theirs
 
@@ -23,7 +23,8 @@ _PER_THREAD_SCRATCH = ("conv2d_gemm", "conv2d_dw", "dense_packed",
 def parallel_blocks(k: Kernel) -> int:
     """Blocks of a fast layer its threaded driver can hand to different threads: NR-column panels
     (conv2d_gemm, dense_packed), MR x NR output tiles (conv2d_igemm, conv2d_gemmt), channels
-    (conv2d_dw)."""
+    (conv2d_dw); qconv2d_igemm: its MR x NR tiles (of the output rows, or of the flattened planes),
+    after its threads have built the planes of disjoint channel groups."""
     p, f = k.params, k.family
     if f in ("conv2d_gemm", "qconv2d_gemm"):
         return -(-p["P"] // p["NR"])
@@ -33,6 +34,9 @@ def parallel_blocks(k: Kernel) -> int:
         return p["NP"] // p["NRD"]
     if f == "conv2d_igemm":
         return -(-p["OH"] * p["WP"] // p["NR"]) * -(-p["MG"] // p["MR"])
+    if f == "qconv2d_igemm":
+        cols = p["OH"] * p["OW"] if p["ROWS"] else p["FLATP"]
+        return -(-p["M"] // p["MR"]) * (cols // p["NR"])
     if f == "conv2d_gemmt":
         return -(-p["M"] // p["NR"]) * -(-p["P"] // p["MR"])
     return p["N"] * p["M"] if f in ("conv2d_dw", "qconv2d_dw") else 1
