@@ -1,0 +1,104 @@
+"""The 8-bit pixels-in-lanes convolution of short-K layers (schedule/q8lanes.py,
+qconv2d_lanes.c.j2), bit for bit against tinydeploy's exact reference under qemu-aarch64
+(Cortex-A72: neon; it has no x86 or portable form), and where it is chosen by itself.
+
+One model per activation type holds many layers side by side (one compiled binary, two seeds):
+the 1x1 direct form with K of 1, 3, 8, 13 and 16 (16 and 8 pixels a block) and K = 40 forced (4
+pixels a block), the im2col form of one-channel first layers (KWS's 10x4 stride 2 over 49x10
+with its padding, 3x3 padded, 1x3 stride (1, 2) asymmetrically padded, K = 40, 9 and 3) and of a
+2-channel 3x3 stride-2 layer (K = 18, forced); pixel counts that no block size divides, 1 and odd
+output channels, activation zero points at both ends of their range and in between, int8 weights
+over the whole range (-128 included) or symmetric, uint8 weights with a zero point (int16
+w - zw), a fused Relu and an output scale that saturates."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_quantized import QDQ, qrange
+from tinydeploy import flow
+from tinydeploy.schedule import q8lanes
+from util import require, save
+
+# (C, H, W, M, kernel, strides, pads (top, left, bottom, right), x zero point, weights, act, auto)
+# auto: whether the layer takes qconv2d_lanes unforced (q8lanes.preferred)
+LAYERS = [
+    (8, 6, 7, 16, (1, 1), (1, 1), (0, 0, 0, 0), "lo", "sym", "relu", True),     # K 8: 42 px, 16 a block
+    (1, 5, 5, 3, (1, 1), (1, 1), (0, 0, 0, 0), "hi", "int8", None, True),       # K 1
+    (3, 1, 17, 1, (1, 1), (1, 1), (0, 0, 0, 0), "mid", "int8", "sat", True),   # K 3, one output channel
+    (16, 3, 11, 5, (1, 1), (1, 1), (0, 0, 0, 0), "hi", "sym", "relu", True),   # K 16: 33 px, 8 a block
+    (13, 4, 5, 7, (1, 1), (1, 1), (0, 0, 0, 0), "lo", "uint8", None, True),    # K 13, uint8 weights
+    (40, 5, 3, 4, (1, 1), (1, 1), (0, 0, 0, 0), "mid", "sym", None, False),    # K 40 direct: 4 a block
+    (1, 49, 10, 6, (10, 4), (2, 2), (4, 1, 5, 1), "lo", "sym", "relu", True),  # KWS's first layer
+    (1, 7, 9, 5, (3, 3), (1, 1), (1, 1, 1, 1), "hi", "int8", None, True),      # K 9 im2col, 8 a block
+    (1, 6, 13, 3, (1, 3), (1, 2), (0, 2, 0, 1), "mid", "sym", "relu", True),   # K 3, stride (1, 2)
+    (2, 9, 11, 3, (3, 3), (2, 2), (0, 1, 1, 0), "lo", "int8", None, False),    # K 18, 2 channels
+]
+
+
+def _zp(kind, dtype):
+    lo, hi = qrange(dtype)
+    return {"lo": lo, "hi": hi, "mid": (lo + hi) // 2 + 3}[kind]
+
+
+def lanes_model(dtype):
+    b = QDQ(5)
+    inputs, outputs = [], []
+    lo, hi = qrange(dtype)
+    for i, (c, h, w, m, ks, st, pads, zk, wt, act, _) in enumerate(LAYERS):
+        xs = 0.05
+        x = b.dq(f"x{i}", xs, _zp(zk, dtype), dtype)
+        inputs.append((f"x{i}", dtype, [1, c, h, w]))
+        ws = (b.rng.uniform(0.5, 2.0, m) * 2e-3).astype(np.float32)
+        shape = (m, c, *ks)
+        if wt == "uint8":
+            wn = b.dq(b.const(b.rng.integers(0, 256, shape).astype(np.uint8)), ws, np.full(m, 131, np.uint8),
+                      np.uint8, 0)
+        elif wt == "sym":
+            wq = b.rng.integers(-127, 128, shape).astype(np.int8)
+            wq.reshape(m, -1)[:, 0] = 127
+            wn = b.dq(b.const(wq), ws, np.zeros(m, np.int8), np.int8, 0)
+        else:
+            wq = b.rng.integers(-128, 128, shape).astype(np.int8)
+            wq.flat[0] = -128
+            wn = b.dq(b.const(wq), ws, np.zeros(m, np.int8), np.int8, 0)
+        y = b.node("Conv", [x, wn, b.bias(m, (np.float32(xs) * ws).astype(np.float32))], kernel_shape=list(ks),
+                   strides=list(st), pads=[pads[0], pads[1], pads[2], pads[3]])
+        if act == "relu":
+            y = b.node("Relu", [y])
+        ys = 1e-3 if act == "sat" else 0.06
+        outputs.append((b.q(y, ys, lo + 4 if i % 2 else hi - 7, dtype), dtype))
+    return b.model(inputs, outputs)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(np.int8, id="s8"), pytest.param(np.uint8, id="u8")])
+def test_aarch64_lanes_bit_exact(dtype, tmp_path, monkeypatch):
+    """rpi4 (neon): the layers q8lanes.preferred names take the kernel by itself, every layer when
+    forced; both held to the exact reference bit for bit and to the oracle, two seeds each."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(lanes_model(dtype), tmp_path)
+    for algo, want in (("auto", sum(r[-1] for r in LAYERS)), ("qconv2d_lanes", len(LAYERS))):
+        monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
+        for seed in (0, 1):
+            res = flow.run(path, "rpi4", outdir=tmp_path / algo, quiet=True, latency=False, emulate=True, seed=seed)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        src = (tmp_path / algo / "td_kernels.c").read_text()
+        assert src.count("[qconv2d_lanes neon ") == want, algo
+        for n in (16, 8, 4):
+            assert f"[qconv2d_lanes neon {n} pixels " in src, (algo, n)
+
+
+def test_lanes_choice():
+    """Which layers fit and which are preferred: K up to 40 in one group, at least one block of
+    pixels; the direct form up to K = 16, the im2col form of one-channel layers; forcing another
+    family keeps it."""
+    p = {"C": 8, "KH": 1, "KW": 1, "SH": 1, "SW": 1, "PT": 0, "PL": 0, "H": 48, "W": 48, "OH": 48, "OW": 48,
+         "G": 1}
+    assert q8lanes.fits(p) and q8lanes.preferred(p, "auto")
+    assert not q8lanes.preferred(p, "qconv2d_gemm") and not q8lanes.preferred(dict(p, C=32), "auto")
+    assert q8lanes.preferred(dict(p, C=32), "qconv2d_lanes") and not q8lanes.fits(dict(p, C=41))
+    assert not q8lanes.fits(dict(p, OH=1, OW=15))        # fewer pixels than a block of 16
+    kws = dict(p, C=1, KH=10, KW=4, SH=2, SW=2, PT=4, PL=1, H=49, W=10, OH=25, OW=5)
+    assert q8lanes.fits(kws) and q8lanes.preferred(kws, "auto") and q8lanes.npx(40) == 4
+    assert not q8lanes.preferred(dict(kws, C=3, KH=3, KW=3), "auto")     # VWW's first layer keeps igemm

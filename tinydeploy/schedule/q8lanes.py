@@ -1,0 +1,120 @@
+"""8-bit convolutions whose K (input channels x taps) is short, with the output pixels in the vector
+lanes (qconv2d_lanes, template firmware_templates/kernels/qconv2d_lanes.c.j2): Cortex-A72's NEON
+(the ISA's 8-bit descriptor multiplies by SMLAL by lane, Q8 flavour "mlal"). schedule/__init__.py
+select_kernels asks `select_q8lanes` after the Winograd and before schedule/q8.py's select_q8.
+
+Where K is short, the GEMMs' costs per output dominate (int16 activation panels packed per block,
+int32 tiles reduced and requantised per tile, edges), so this kernel turns the GEMM around: a
+block of NPX output pixels of every one of the K rows of B (the input planes themselves for a 1x1
+stride-1 unpadded layer, NCHW; else im2col rows built once per image from zero-point-padded
+planes, one per stride phase) is loaded once and widened to int16 in registers; then per output
+channel its K weights (int16, build time) sit in one to five registers and every tap is one
+SMLAL / SMLAL2 by lane into int32x4 accumulators that start at the bias (4 multiply-adds an
+instruction); the requantisation is the reference's float32 one in the same registers (SCVTF,
+FMUL by R, FCVTNS: round to nearest even, as rne; saturating narrows, the zero point, the clamp),
+and the bytes are stored in place in the output row. NPX: 16 pixels where K <= 8, 8 where K <= 16,
+4 (two taps a register, two output channels requantised together) up to K_MAX = 40. A last block
+of a row count that NPX does not divide overlaps the one before (the same values written twice).
+
+Exact: the kernel multiplies the raw activations x (int8, or uint8 as 0..255: int16 either way),
+padded taps holding the input zero point, and the bias absorbs the rest: b_k = b' - zx_loop *
+sum(w) over every tap (int32 arithmetic wraps; the true accumulator fits, quant.fit_int32 proved
+it, so the wrapped sum is the reference's, as for the dot product's offsets in q8.py). Products of
+int16 x int16 widened into int32 never saturate. Weights int8, uint8 or int16 (w - zw).
+
+Where (`preferred`), fitted to exact instruction counts under qemu-aarch64 -cpu cortex-a72 (rpi4),
+each against what runs otherwise (see LANES_NOTE for the figures): the 1x1 direct form where
+K <= 16, the im2col form where one input channel feeds the layer (a first layer) and K <= 40.
+TINYDEPLOY_ALGO=qconv2d_lanes forces it wherever it fits; naming another family keeps that one.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from tinydeploy.ops import Kernel
+from tinydeploy.ops.registry import new_const, scratch_arg
+from tinydeploy.schedule.cost import _round_up
+from tinydeploy.schedule.q8 import _conv_weights, dw_geometry, q8_isa, requant_scales, wrap32
+from tinydeploy.targets.isa import get_isa
+
+K_MAX = 40                  # taps held in registers: K * NPX / 8 int16 vectors (NPX 4: 20)
+LANES_NOTE = ""
+
+
+def npx(kk: int) -> int:
+    """Output pixels a block: the K rows' int16 vectors of a block fill at most 16 registers
+    (20 for K = 40 with 4 pixels)."""
+    return 16 if kk <= 8 else 8 if kk <= 16 else 4
+
+
+def direct(p: dict) -> bool:
+    """A 1x1 stride-1 unpadded layer: the rows of B are the input planes."""
+    return (p["KH"] == p["KW"] == p["SH"] == p["SW"] == 1 and p["PT"] == p["PL"] == 0
+            and (p["OH"], p["OW"]) == (p["H"], p["W"]))
+
+
+def fits(p: dict) -> bool:
+    """One group, K <= K_MAX, at least one block of pixels."""
+    kk = p["C"] * p["KH"] * p["KW"]
+    return p["G"] == 1 and kk <= K_MAX and p["OH"] * p["OW"] >= npx(kk)
+
+
+def preferred(p: dict, force: str) -> bool:
+    """Whether a layer that fits takes qconv2d_lanes (module docstring: where, and why)."""
+    if force == "qconv2d_lanes":
+        return True
+    if force != "auto":
+        return False
+    kk = p["C"] * p["KH"] * p["KW"]
+    return (direct(p) and kk <= 16) or (p["C"] == 1 and not direct(p))
+
+
+def select_q8lanes(g, step: int, k: Kernel, target, force: str) -> Kernel | None:
+    """The qconv2d_lanes kernel of a QConv layer where `preferred` says so on an ISA with a
+    variant whose descriptor multiplies by lane (mlal), else None (select_q8 chooses)."""
+    if k.family != "qconv2d" or force == "ref":
+        return None
+    # the target's 8-bit ISA (its first whose descriptor multiplies the weights) must be the one
+    # with the variant: a target with the dot product (jetson-orin) keeps its SDOT kernels
+    isa = q8_isa("qconv2d_lanes", k, target)
+    if isa is None or isa != q8_isa("qconv2d_gemm", k, target) or get_isa(isa).q8.flavour != "mlal":
+        return None
+    p = dict(k.params)
+    if not fits(p) or not preferred(p, force):
+        return None
+    return select(g, step, k, isa)
+
+
+def select(g, step: int, k: Kernel, isa: str) -> Kernel:
+    p = dict(k.params)
+    w = _conv_weights(g, k)                                    # [M][K]
+    m, kk = p["M"], w.shape[1]
+    n_px = npx(kk)
+    kp = _round_up(kk, 8)
+    wk = np.zeros((m, kp), np.int64)
+    wk[:, :kk] = w
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    bias = k.tensor(k.args[2], g).data.astype(np.int64) - zx_loop * w.sum(axis=1)
+    r = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
+    consts = {}
+    base = k.args[1] + "_lanes_" + isa.replace("-", "_")
+    wname = new_const(g, consts, base, wk.astype(np.int16).reshape(-1))
+    bname = new_const(g, consts, base + "_bias", wrap32(bias))
+    rname = new_const(g, consts, base + "_requant_scale", r.astype(np.float32))
+    cols = p["OH"] * p["OW"]
+    dr = direct(p)
+    scratch = 0
+    if not dr:                  # padded planes (one per stride phase), then the im2col rows
+        hp, wpl, phases, offs = dw_geometry(p)
+        pls = len(phases) * hp * wpl
+        rowlen = _round_up(cols, 16) + 16                    # 8-byte copies of short rows run over
+        p.update(PHP=hp, PWP=wpl, PPH=phases, POFFS=offs, PPLS=pls, ROWLEN=rowlen,
+                 OFF_ROWS=_round_up(p["C"] * pls + 16, 64))
+        scratch = p["OFF_ROWS"] + kk * rowlen
+    p.update(algo="qconv2d_lanes", q8_isa=isa, K=kk, KP=kp, NPX=n_px, P=cols, DIRECT=dr,
+             PADB=p["ZX"] % 256)
+    args = [k.args[0], wname, bname, rname, k.args[-1]] + ([scratch_arg(step)] if scratch else [])
+    how = "direct" if dr else "im2col planes"
+    desc = f"[qconv2d_lanes {isa} {n_px} pixels K {kk} {how}] {k.desc}"
+    return Kernel("qconv2d_lanes", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
+                  scratch_dtype="int32")
