@@ -7,7 +7,8 @@ the 1x1 direct form with K of 1, 3, 8, 13 and 16 (16 and 8 pixels a block) and K
 pixels a block), the im2col form of one-channel first layers (KWS's 10x4 stride 2 over 49x10
 with its padding, 3x3 padded, 1x3 stride (1, 2) asymmetrically padded, K = 40, 9 and 3) and of a
 2-channel 3x3 stride-2 layer (K = 18, forced); pixel counts that no block size divides, 1 and odd
-output channels, activation zero points at both ends of their range and in between, int8 weights
+output channels, activation zero points at both ends of their range and in between, output zero
+points at the type's low end, 0 or 128 and inside, int8 weights
 over the whole range (-128 included) or symmetric, uint8 weights with a zero point (int16
 w - zw), a fused Relu and an output scale that saturates."""
 from __future__ import annotations
@@ -67,7 +68,11 @@ def lanes_model(dtype):
         if act == "relu":
             y = b.node("Relu", [y])
         ys = 1e-3 if act == "sat" else 0.06
-        outputs.append((b.q(y, ys, lo + 4 if i % 2 else hi - 7, dtype), dtype))
+        # output zero points: the type's low end (int8: -128, uint8: 0), one inside, 0 (int8) or 128
+        # (uint8), one inside: each of the kernel's ways of adding it (saturating narrows alone, to
+        # the other signedness and EOR 0x80, or SQADD)
+        zy = [lo, lo + 4, 0 if dtype == np.int8 else 128, hi - 7][i % 4]
+        outputs.append((b.q(y, ys, zy, dtype), dtype))
     return b.model(inputs, outputs)
 
 

@@ -91,11 +91,14 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
     m, kk = p["M"], w.shape[1]
     n_px = npx(kk)
     kp = _round_up(kk, 8)
-    wk = np.zeros((m, kp), np.int64)
-    wk[:, :kk] = w
+    mp = _round_up(m, 2)                # two output channels a step: a last odd one with a zero one
+    wk = np.zeros((mp, kp), np.int64)
+    wk[:m, :kk] = w
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
-    bias = k.tensor(k.args[2], g).data.astype(np.int64) - zx_loop * w.sum(axis=1)
-    r = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
+    bias = np.zeros(mp, np.int64)
+    bias[:m] = k.tensor(k.args[2], g).data.astype(np.int64) - zx_loop * w.sum(axis=1)
+    r = np.zeros(mp, np.float32)
+    r[:m] = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
     consts = {}
     base = k.args[1] + "_lanes_" + isa.replace("-", "_")
     wname = new_const(g, consts, base, wk.astype(np.int16).reshape(-1))
