@@ -102,8 +102,12 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
     consts = {}
     base = k.args[1] + "_lanes_" + isa.replace("-", "_")
     wname = new_const(g, consts, base, wk.astype(np.int16).reshape(-1))
-    bname = new_const(g, consts, base + "_bias", wrap32(bias))
-    rname = new_const(g, consts, base + "_requant_scale", r.astype(np.float32))
+    # per pair of output channels, the words the kernel's step loads: the bias (b_m, b_m+1)
+    # repeated for each of a channel's int32x4 accumulators (its LD2R / LD4R sets them all), then
+    # the two float32 scales R (their bits)
+    bias = np.tile(wrap32(bias).reshape(-1, 1, 2), (1, n_px // 4, 1)).reshape(mp // 2, -1)
+    words = np.concatenate([bias, r.view(np.int32).reshape(-1, 2)], axis=1)
+    bname = new_const(g, consts, base + "_bias_scale", words.reshape(-1))
     cols = p["OH"] * p["OW"]
     dr = direct(p)
     scratch = 0
@@ -116,7 +120,7 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
         scratch = p["OFF_ROWS"] + kk * rowlen
     p.update(algo="qconv2d_lanes", q8_isa=isa, K=kk, KP=kp, NPX=n_px, P=cols, DIRECT=dr,
              PADB=p["ZX"] % 256)
-    args = [k.args[0], wname, bname, rname, k.args[-1]] + ([scratch_arg(step)] if scratch else [])
+    args = [k.args[0], wname, bname, k.args[-1]] + ([scratch_arg(step)] if scratch else [])
     how = "direct" if dr else "im2col planes"
     desc = f"[qconv2d_lanes {isa} {n_px} pixels K {kk} {how}] {k.desc}"
     return Kernel("qconv2d_lanes", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
