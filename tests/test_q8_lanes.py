@@ -7,7 +7,8 @@ the 1x1 direct form with K of 1, 3, 8, 13 and 16 (16 and 8 pixels a block) and K
 pixels a block), the im2col form of one-channel first layers (KWS's 10x4 stride 2 over 49x10
 with its padding, 3x3 padded, 1x3 stride (1, 2) asymmetrically padded, K = 40, 9 and 3) and of a
 2-channel 3x3 stride-2 layer (K = 18, forced); pixel counts that no block size divides, 1 and odd
-output channels, activation zero points at both ends of their range and in between, output zero
+output channels, channels whose taps go in int16 groups (at their bound, with every input at an
+end of its range), activation zero points at both ends of their range and in between, output zero
 points at the type's low end, 0 or 128 and inside, int8 weights
 over the whole range (-128 included) or symmetric, uint8 weights with a zero point (int16
 w - zw), a fused Relu and an output scale that saturates."""
@@ -34,7 +35,13 @@ LAYERS = [
     (1, 7, 9, 5, (3, 3), (1, 1), (1, 1, 1, 1), "hi", "int8", None, True),      # K 9 im2col, 8 a block
     (1, 6, 13, 3, (1, 3), (1, 2), (0, 2, 0, 1), "mid", "sym", "relu", True),   # K 3, stride (1, 2)
     (2, 9, 11, 3, (3, 3), (2, 2), (0, 1, 1, 0), "lo", "int8", None, False),    # K 18, 2 channels
+    (8, 4, 5, 3, (1, 1), (1, 1), (0, 0, 0, 0), "mid", "edge", None, True),     # int16 groups at their bound
+    (16, 2, 9, 6, (1, 1), (1, 1), (0, 0, 0, 0), "hi", "small", "relu", True),  # many groups, 8 a block
 ]
+# the "edge" layer's weights: a group of taps whose products reach -32768 (taps 0-2 of channel 0
+# with every x at -128), one that stops short of 32768 (channel 1: -127, -127, -2 would reach it),
+# taps of both signs and zero taps (channel 2)
+EDGE = [[127, 127, 2, 1, 1, 1, 1, 1], [-127, -127, -2, -1, -1, -1, -1, -1], [127, -127, 127, -127, 1, 1, 0, 0]]
 
 
 def _zp(kind, dtype):
@@ -55,6 +62,11 @@ def lanes_model(dtype):
         if wt == "uint8":
             wn = b.dq(b.const(b.rng.integers(0, 256, shape).astype(np.uint8)), ws, np.full(m, 131, np.uint8),
                       np.uint8, 0)
+        elif wt in ("edge", "small"):
+            wq = np.array(EDGE, np.int8) if wt == "edge" else b.rng.integers(-40, 41, shape).astype(np.int8)
+            if wt == "small":
+                wq.reshape(m, -1)[:, 3] = -127
+            wn = b.dq(b.const(wq.reshape(shape)), ws, np.zeros(m, np.int8), np.int8, 0)
         elif wt == "sym":
             wq = b.rng.integers(-127, 128, shape).astype(np.int8)
             wq.reshape(m, -1)[:, 0] = 127
@@ -90,8 +102,27 @@ def test_aarch64_lanes_bit_exact(dtype, tmp_path, monkeypatch):
             assert res["exact_reference"]["identical"] and res["outputs_match"], res
         src = (tmp_path / algo / "td_kernels.c").read_text()
         assert src.count("[qconv2d_lanes neon ") == want, algo
+        assert src.count(" groups direct] ") >= 3 and '"mla v' in src, algo
+        # every input at an end of its range: the groups' int16 sums at their bound
+        for end in (0, -1):
+            feeds = tmp_path / f"end{end}.npz"
+            np.savez(feeds, **{f"x{i}": np.full((1, r[0], r[1], r[2]), qrange(dtype)[end], dtype)
+                               for i, r in enumerate(LAYERS)})
+            res = flow.run(path, "rpi4", inputs=feeds, outdir=tmp_path / algo, quiet=True, latency=False,
+                           emulate=True)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], (algo, end, res)
         for n in (16, 8, 4):
             assert f"[qconv2d_lanes neon {n} pixels " in src, (algo, n)
+
+
+def test_int16_groups():
+    """The build-time bound of a tap group (127 P + 128 N <= 32767, 128 P + 127 N <= 32768) at its
+    edge, and the groups of 3 or more taps it makes (others alone; none with a -128)."""
+    assert q8lanes.int16_exact([127, 127, 2]) and not q8lanes.int16_exact([127, 127, 3])
+    assert q8lanes.int16_exact([-127, -127, -1]) and not q8lanes.int16_exact([-127, -127, -2])
+    g = q8lanes.tap_groups(np.array(EDGE))
+    assert g == [[[0, 1, 2], [3, 4, 5, 6, 7]], [[0, 1, 3], [2, 4, 5, 6, 7]], [[0, 1, 4, 5], [2], [3]]]
+    assert q8lanes.tap_groups(np.array([[-128, 1, 1, 1]])) == []
 
 
 def test_lanes_choice():

@@ -47,7 +47,7 @@ ISA_C = {
     "avx512bw": IsaC("immintrin.h", r"\b_mm512_(?:madd_epi16|cvtepi8_epi16|cvtepu8_epi16|unpack(?:lo|hi)_epi16)\("),
     "avx512-vnni": IsaC("immintrin.h", r"\b_mm512_dpbusd_epi32\("),
     "avx-vnni": IsaC("immintrin.h", r"\b_mm256_dpbusd_avx_epi32\("),
-    "neon": IsaC("arm_neon.h", r"\bv(?:fmaq|ld1q|st1q)_\w+\(|\"fmla %\[\w+\]\.4s|\"smlal2? %\[\w+\]\.4s"),     # intrinsics or asm FMLA / SMLAL
+    "neon": IsaC("arm_neon.h", r"\bv(?:fmaq|ld1q|st1q)_\w+\(|\"fmla %\[\w+\]\.4s|\"(?:smlal|saddw)2? %\[\w+\]\.4s"),     # intrinsics or asm FMLA / SMLAL / SADDW
     "neon-dotprod": IsaC("arm_neon.h", r"\bvdotq_(?:laneq_)?[su]32\(|\"sdot v\d+\.4s"),     # intrinsics or asm SDOT
     "cortex-m4-dsp": IsaC("arm_acle.h", r"\b(?:__smla\w+|__[su]xtab16|__[su]xtb16|td_dsp_\w+)\("),
     "cortex-m4-fpu": IsaC(None, r"\btd_fpu_vfma\w*\("),

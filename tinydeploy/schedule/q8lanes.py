@@ -38,7 +38,44 @@ from tinydeploy.schedule.q8 import _conv_weights, dw_geometry, q8_isa, requant_s
 from tinydeploy.targets.isa import get_isa
 
 K_MAX = 40                  # taps held in registers: K * NPX / 8 int16 vectors (NPX 4: 20)
+GROUP_MAX = 1024            # tap groups: the output channels unrolled, up to M * K taps
 LANES_NOTE = ""
+
+
+def int16_exact(w) -> bool:
+    """Whether sum(w_i x_i) over int8 weights w lies in int16 for every x_i in [-128, 127]: at most
+    127 P + 128 N and at least -(128 P + 127 N) (P, N the sums of the positive weights and of
+    the negative ones' magnitudes)."""
+    w = np.asarray(w, np.int64)
+    pos, neg = int(w[w > 0].sum()), int(-w[w < 0].sum())
+    return 127 * pos + 128 * neg <= 32767 and 128 * pos + 127 * neg <= 32768
+
+
+def tap_groups(w: np.ndarray) -> list[list[list[int]]]:
+    """Per output channel (rows of w, [MP][K] integer weights), its nonzero taps in groups for the
+    8- and 16-pixel blocks: a group of 3 or more taps whose products sum within int16 for every
+    signed activation (int16_exact) is multiplied by MUL / MLA by lane on 8 pixels a register (8
+    multiply-adds an instruction, wrapping: the true sum is in range, so the wrapped one is it)
+    and widened once into the accumulators (SADDW, SADDW2): per 8 pixels g + 2 instructions for g
+    taps against SMLAL's 2 g; other taps alone (SMLAL). First fit, largest |w| first; weights
+    outside int8 (uint8 or w - zw) or -128 anywhere: no groups. [] where no channel has one."""
+    w = np.asarray(w, np.int64)
+    if not w.size or w.min() < -127 or w.max() > 127:
+        return []
+    out = []
+    for row in w:
+        bins: list[list[int]] = []
+        for t in sorted(np.flatnonzero(row), key=lambda t: (-abs(int(row[t])), t)):
+            for b in bins:
+                if int16_exact(row[b + [t]]):
+                    b.append(int(t))
+                    break
+            else:
+                bins.append([int(t)])
+        grouped = [sorted(b) for b in bins if len(b) >= 3]
+        alone = [[t] for b in bins if len(b) < 3 for t in b]
+        out.append(sorted(grouped + alone))
+    return out if any(len(gr) >= 3 for row in out for gr in row) else []
 
 
 def npx(kk: int) -> int:
@@ -95,8 +132,12 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
     wk = np.zeros((mp, kp), np.int64)
     wk[:m, :kk] = w
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    groups = tap_groups(wk[:, :kk]) if n_px >= 8 and m * kk <= GROUP_MAX else []
+    # groups' int16 sums need signed activations: uint8 ones move by -128 (x ^ 0x80), the bias
+    # takes 128 sum(w)
+    xflip = bool(groups) and p["TX"] == "uint8_t"
     bias = np.zeros(mp, np.int64)
-    bias[:m] = k.tensor(k.args[2], g).data.astype(np.int64) - zx_loop * w.sum(axis=1)
+    bias[:m] = k.tensor(k.args[2], g).data.astype(np.int64) - (zx_loop - (128 if xflip else 0)) * w.sum(axis=1)
     r = np.zeros(mp, np.float32)
     r[:m] = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
     consts = {}
@@ -119,9 +160,9 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
                  OFF_ROWS=_round_up(p["C"] * pls + 16, 64))
         scratch = p["OFF_ROWS"] + kk * rowlen
     p.update(algo="qconv2d_lanes", q8_isa=isa, K=kk, KP=kp, NPX=n_px, P=cols, DIRECT=dr,
-             PADB=p["ZX"] % 256)
+             PADB=p["ZX"] % 256, GROUPS=groups, XFLIP=xflip)
     args = [k.args[0], wname, bname, k.args[-1]] + ([scratch_arg(step)] if scratch else [])
     how = "direct" if dr else "im2col planes"
-    desc = f"[qconv2d_lanes {isa} {n_px} pixels K {kk} {how}] {k.desc}"
+    desc = f"[qconv2d_lanes {isa} {n_px} pixels K {kk}{' groups' if groups else ''} {how}] {k.desc}"
     return Kernel("qconv2d_lanes", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
                   scratch_dtype="int32")
