@@ -38,7 +38,7 @@ from tinydeploy.schedule.q8 import _conv_weights, dw_geometry, q8_isa, requant_s
 from tinydeploy.targets.isa import get_isa
 
 K_MAX = 40                  # taps held in registers: K * NPX / 8 int16 vectors (NPX 4: 20)
-GROUP_MAX = 1024            # tap groups: the output channels unrolled, up to M * K taps
+GROUP_MAX = 4096            # tap groups: the output channels unrolled, up to M * K taps
 LANES_NOTE = ""
 
 
@@ -51,17 +51,17 @@ def int16_exact(w) -> bool:
     return 127 * pos + 128 * neg <= 32767 and 128 * pos + 127 * neg <= 32768
 
 
-def tap_groups(w: np.ndarray) -> list[list[list[int]]]:
-    """Per output channel (rows of w, [MP][K] integer weights), its nonzero taps in groups for the
-    8- and 16-pixel blocks: a group of 3 or more taps whose products sum within int16 for every
-    signed activation (int16_exact) is multiplied by MUL / MLA by lane on 8 pixels a register (8
-    multiply-adds an instruction, wrapping: the true sum is in range, so the wrapped one is it)
-    and widened once into the accumulators (SADDW, SADDW2): per 8 pixels g + 2 instructions for g
-    taps against SMLAL's 2 g; other taps alone (SMLAL). First fit, largest |w| first; weights
-    outside int8 (uint8 or w - zw) or -128 anywhere: no groups. [] where no channel has one."""
+def tap_groups(w: np.ndarray, base: int = 0) -> list[list[list[int]]] | None:
+    """Per output channel (rows of w, [MP][K] integer weights), its nonzero taps (numbered from
+    `base`) in groups for the 8- and 16-pixel blocks: a group of 3 or more taps whose products sum
+    within int16 for every signed activation (int16_exact) is multiplied by MUL / MLA by lane on 8
+    pixels a register (8 multiply-adds an instruction, wrapping: the true sum is in range, so the
+    wrapped one is it) and widened once into the accumulators (SADDW, SADDW2): per 8 pixels g + 2
+    instructions for g taps against SMLAL's 2 g; other taps alone (SMLAL). First fit, largest |w|
+    first. None where a weight is outside [-127, 127] (uint8, w - zw, or -128)."""
     w = np.asarray(w, np.int64)
     if not w.size or w.min() < -127 or w.max() > 127:
-        return []
+        return None
     out = []
     for row in w:
         bins: list[list[int]] = []
@@ -72,16 +72,24 @@ def tap_groups(w: np.ndarray) -> list[list[list[int]]]:
                     break
             else:
                 bins.append([int(t)])
-        grouped = [sorted(b) for b in bins if len(b) >= 3]
+        many = [sorted(b) for b in bins if len(b) >= 3]
         alone = [[t] for b in bins if len(b) < 3 for t in b]
-        out.append(sorted(grouped + alone))
-    return out if any(len(gr) >= 3 for row in out for gr in row) else []
+        out.append([[base + t for t in gr] for gr in sorted(many + alone)])
+    return out
 
 
-def npx(kk: int) -> int:
+def chunks(kk: int, grouped: bool) -> list[tuple[int, int]]:
+    """(first tap, taps) of the passes over K: one, or where K > 16 on the grouped 8-pixel form
+    passes of 16 taps (16 int16 registers; the int32 sums wait in scratch between them)."""
+    if not grouped or kk <= 16:
+        return [(0, kk)]
+    return [(c, min(16, kk - c)) for c in range(0, kk, 16)]
+
+
+def npx(kk: int, grouped: bool = False) -> int:
     """Output pixels a block: the K rows' int16 vectors of a block fill at most 16 registers
-    (20 for K = 40 with 4 pixels)."""
-    return 16 if kk <= 8 else 8 if kk <= 16 else 4
+    (20 for K = 40 with 4 pixels); the grouped form takes 8 pixels over passes of 16 taps."""
+    return 16 if kk <= 8 else 8 if kk <= 16 or grouped else 4
 
 
 def direct(p: dict) -> bool:
@@ -96,14 +104,21 @@ def fits(p: dict) -> bool:
     return p["G"] == 1 and kk <= K_MAX and p["OH"] * p["OW"] >= npx(kk)
 
 
-def preferred(p: dict, force: str) -> bool:
+def grouped(p: dict, w: np.ndarray) -> bool:
+    """Whether the layer takes the grouped 8- and 16-pixel form: int8 weights all in [-127, 127]
+    (tap_groups), the output channels unrolled within GROUP_MAX taps, a block of 8 pixels."""
+    return (p["TW"] == "int8_t" and w.size > 0 and int(np.abs(w).max()) <= 127
+            and _round_up(p["M"], 2) * w.shape[1] <= GROUP_MAX and p["OH"] * p["OW"] >= npx(w.shape[1], True))
+
+
+def preferred(p: dict, force: str, grouped_form: bool = False) -> bool:
     """Whether a layer that fits takes qconv2d_lanes (module docstring: where, and why)."""
     if force == "qconv2d_lanes":
         return True
     if force != "auto":
         return False
     kk = p["C"] * p["KH"] * p["KW"]
-    return (direct(p) and kk <= 16) or (p["C"] == 1 and not direct(p))
+    return grouped_form or (direct(p) and kk <= 16) or (p["C"] == 1 and not direct(p))
 
 
 def select_q8lanes(g, step: int, k: Kernel, target, force: str) -> Kernel | None:
@@ -117,7 +132,7 @@ def select_q8lanes(g, step: int, k: Kernel, target, force: str) -> Kernel | None
     if isa is None or isa != q8_isa("qconv2d_gemm", k, target) or get_isa(isa).q8.flavour != "mlal":
         return None
     p = dict(k.params)
-    if not fits(p) or not preferred(p, force):
+    if not fits(p) or not preferred(p, force, grouped(p, _conv_weights(g, k))):
         return None
     return select(g, step, k, isa)
 
@@ -126,13 +141,16 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
     p = dict(k.params)
     w = _conv_weights(g, k)                                    # [M][K]
     m, kk = p["M"], w.shape[1]
-    n_px = npx(kk)
-    kp = _round_up(kk, 8)
     mp = _round_up(m, 2)                # two output channels a step: a last odd one with a zero one
-    wk = np.zeros((mp, kp), np.int64)
-    wk[:m, :kk] = w
+    wpad = np.zeros((mp, kk), np.int64)
+    wpad[:m] = w
+    form = grouped(p, w)
+    n_px = npx(kk, form)
+    chs = chunks(kk, form)
+    groups = [tap_groups(wpad[:, c0:c0 + kc], c0) for c0, kc in chs] if form else []
+    if groups and len(chs) == 1 and not any(len(gr) >= 3 for row in groups[0] for gr in row):
+        groups = []                     # no group anywhere: the SMLAL loop over the channels
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
-    groups = tap_groups(wk[:, :kk]) if n_px >= 8 and m * kk <= GROUP_MAX else []
     # groups' int16 sums need signed activations: uint8 ones move by -128 (x ^ 0x80), the bias
     # takes 128 sum(w)
     xflip = bool(groups) and p["TX"] == "uint8_t"
@@ -142,27 +160,38 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
     r[:m] = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
     consts = {}
     base = k.args[1] + "_lanes_" + isa.replace("-", "_")
-    wname = new_const(g, consts, base, wk.astype(np.int16).reshape(-1))
+    # int16 weights per pass over K: [pass][MP][its taps rounded up to 8]
+    wk = np.concatenate([np.pad(wpad[:, c0:c0 + kc], ((0, 0), (0, _round_up(kc, 8) - kc))).reshape(-1)
+                         for c0, kc in chs])
+    wname = new_const(g, consts, base, wk.astype(np.int16))
     # per pair of output channels, the words the kernel's step loads: the bias (b_m, b_m+1)
     # repeated for each of a channel's int32x4 accumulators (its LD2R / LD4R sets them all), then
-    # the two float32 scales R (their bits)
+    # the two float32 scales R (their bits); with passes, the scales apart (the last pass's)
     bias = np.tile(wrap32(bias).reshape(-1, 1, 2), (1, n_px // 4, 1)).reshape(mp // 2, -1)
-    words = np.concatenate([bias, r.view(np.int32).reshape(-1, 2)], axis=1)
-    bname = new_const(g, consts, base + "_bias_scale", words.reshape(-1))
+    rname = None
+    if len(chs) == 1:
+        words = np.concatenate([bias, r.view(np.int32).reshape(-1, 2)], axis=1)
+        bname = new_const(g, consts, base + "_bias_scale", words.reshape(-1))
+    else:
+        bname = new_const(g, consts, base + "_bias", bias.reshape(-1))
+        rname = new_const(g, consts, base + "_requant_scale", r)
     cols = p["OH"] * p["OW"]
     dr = direct(p)
-    scratch = 0
+    off = 0
     if not dr:                  # padded planes (one per stride phase), then the im2col rows
         hp, wpl, phases, offs = dw_geometry(p)
         pls = len(phases) * hp * wpl
         rowlen = _round_up(cols, 16) + 16                    # 8-byte copies of short rows run over
         p.update(PHP=hp, PWP=wpl, PPH=phases, POFFS=offs, PPLS=pls, ROWLEN=rowlen,
                  OFF_ROWS=_round_up(p["C"] * pls + 16, 64))
-        scratch = p["OFF_ROWS"] + kk * rowlen
-    p.update(algo="qconv2d_lanes", q8_isa=isa, K=kk, KP=kp, NPX=n_px, P=cols, DIRECT=dr,
-             PADB=p["ZX"] % 256, GROUPS=groups, XFLIP=xflip)
-    args = [k.args[0], wname, bname, k.args[-1]] + ([scratch_arg(step)] if scratch else [])
+        off = p["OFF_ROWS"] + _round_up(kk * rowlen, 64)
+    scratch = off + (mp * n_px * 4 if len(chs) > 1 else 0)  # the int32 sums between passes
+    p.update(algo="qconv2d_lanes", q8_isa=isa, K=kk, KP=_round_up(kk, 8), NPX=n_px, P=cols, DIRECT=dr,
+             PADB=p["ZX"] % 256, GROUPS=groups, XFLIP=xflip, CHUNKS=chs, OFF_ACC=off)
+    args = [k.args[0], wname, bname] + ([rname] if rname else []) + [k.args[-1]] + (
+        [scratch_arg(step)] if scratch else [])
     how = "direct" if dr else "im2col planes"
-    desc = f"[qconv2d_lanes {isa} {n_px} pixels K {kk}{' groups' if groups else ''} {how}] {k.desc}"
+    passes = f" in {len(chs)} passes" if len(chs) > 1 else ""
+    desc = f"[qconv2d_lanes {isa} {n_px} pixels K {kk}{passes}{' groups' if groups else ''} {how}] {k.desc}"
     return Kernel("qconv2d_lanes", k.dtype, p, args, _round_up(scratch, 4), desc, consts=consts,
                   scratch_dtype="int32")
