@@ -1,30 +1,51 @@
 """8-bit convolutions whose K (input channels x taps) is short, with the output pixels in the vector
 lanes (qconv2d_lanes, template firmware_templates/kernels/qconv2d_lanes.c.j2): Cortex-A72's NEON
-(the ISA's 8-bit descriptor multiplies by SMLAL by lane, Q8 flavour "mlal"). schedule/__init__.py
-select_kernels asks `select_q8lanes` after the Winograd and before schedule/q8.py's select_q8.
+(the ISA's 8-bit descriptor multiplies by SMLAL by lane, Q8 flavour "mlal"; not where the target's
+8-bit ISA is another, e.g. SDOT on jetson-orin). schedule/__init__.py select_kernels asks
+`select_q8lanes` after the Winograd and before schedule/q8.py's select_q8.
 
 Where K is short, the GEMMs' costs per output dominate (int16 activation panels packed per block,
 int32 tiles reduced and requantised per tile, edges), so this kernel turns the GEMM around: a
-block of NPX output pixels of every one of the K rows of B (the input planes themselves for a 1x1
-stride-1 unpadded layer, NCHW; else im2col rows built once per image from zero-point-padded
-planes, one per stride phase) is loaded once and widened to int16 in registers; then per output
-channel its K weights (int16, build time) sit in one to five registers and every tap is one
-SMLAL / SMLAL2 by lane into int32x4 accumulators that start at the bias (4 multiply-adds an
-instruction); the requantisation is the reference's float32 one in the same registers (SCVTF,
-FMUL by R, FCVTNS: round to nearest even, as rne; saturating narrows, the zero point, the clamp),
-and the bytes are stored in place in the output row. NPX: 16 pixels where K <= 8, 8 where K <= 16,
-4 (two taps a register, two output channels requantised together) up to K_MAX = 40. A last block
-of a row count that NPX does not divide overlaps the one before (the same values written twice).
+block of NPX output pixels of the K rows of B (the input planes themselves for a 1x1 stride-1
+unpadded layer, NCHW; else im2col rows built once per image from zero-point-padded planes, one
+per stride phase) is loaded once and widened to int16 in registers; then per pair of output
+channels their weights (int16, packed at build time) sit in registers and the taps multiply by
+lane into int32x4 accumulators that start at the bias (LD2R / LD4R of the bias packed per pair);
+the requantisation is the reference's float32 one in the same registers (SCVTF, FMUL by R,
+FCVTNS: round to nearest even, as rne; saturating narrows, the zero point, the clamp), and the
+bytes are stored in place in the output row. A last block of a row count that NPX does not divide
+overlaps the one before (the same values written twice). Two forms:
+  grouped  int8 weights all in [-127, 127] (`grouped`): 16 pixels where K <= 8, else 8, in passes
+           of 16 taps (`chunks`; the int32 sums of a pass wait in scratch for the next). Per
+           channel its taps in int16 groups (`tap_groups`): MUL / MLA by lane on 8 pixels a
+           register (8 multiply-adds an instruction), SADDW / SADDW2 into the accumulators once a
+           group; taps left alone by SMLAL / SMLAL2. The output channels are unrolled (each has
+           its own groups), up to GROUP_MAX taps in all.
+  SMLAL    otherwise (weights with a -128, uint8 or int16 w - zw): every tap SMLAL / SMLAL2 by
+           lane, a rolled loop over pairs of channels; 16 pixels where K <= 8, 8 where K <= 16,
+           4 up to K_MAX = 40 (two taps a register, the pair requantised together).
 
-Exact: the kernel multiplies the raw activations x (int8, or uint8 as 0..255: int16 either way),
-padded taps holding the input zero point, and the bias absorbs the rest: b_k = b' - zx_loop *
-sum(w) over every tap (int32 arithmetic wraps; the true accumulator fits, quant.fit_int32 proved
-it, so the wrapped sum is the reference's, as for the dot product's offsets in q8.py). Products of
-int16 x int16 widened into int32 never saturate. Weights int8, uint8 or int16 (w - zw).
+Exact: the kernel multiplies the raw activations x (int8, or uint8 as 0..255), padded taps holding
+the input zero point, and the bias absorbs the rest: b_k = b' - zx_loop * sum(w) over every tap
+(int32 arithmetic wraps; the true accumulator fits, quant.fit_int32 proved it, so the wrapped sum
+is the reference's, as for the dot product's offsets in q8.py). Products of int16 x int16 widened
+into int32 never saturate. A group's products are summed in int16 lanes, which wrap: exact
+because the build proves, per group, that the true sum lies in int16 for every activation
+(int16_exact: x in [-128, 127], so uint8 activations are moved by -128 (x ^ 0x80) in the grouped
+form and the bias takes 128 sum(w)); the wrapped int16 sum is then the true one, and SADDW widens
+it exactly.
 
-Where (`preferred`), fitted to exact instruction counts under qemu-aarch64 -cpu cortex-a72 (rpi4),
-each against what runs otherwise (see LANES_NOTE for the figures): the 1x1 direct form where
-K <= 16, the im2col form where one input channel feeds the layer (a first layer) and K <= 40.
+Where (`preferred`), fitted to exact instruction counts under qemu-aarch64 -cpu cortex-a72 (rpi4)
+against what runs otherwise:
+  grouped, wherever it fits (every layer measured gains): VWW's layer 1 (3x3 stride 2, 3 channels,
+    K 27, 2 passes) 210,002 -> 170,904 (igemm before), layer 3 (K 8) 187,346 -> 110,756, layer 5
+    (K 16) 127,013 -> 82,384, layer 7 (K 32) 194,983 -> 135,739, layer 9 (K 32, 144 pixels)
+    95,801 -> 67,970; KWS's layer 1 (K 40, 3 passes) 139,232 -> 80,107; IC's 1x1 stride-2 layers
+    (K 16, 32) 57,416 -> 39,140 and 44,035 -> 31,889 (im2col GEMM before).
+  SMLAL, the 1x1 direct form where K <= 16 and the im2col form of one-channel layers (VWW's layer 3
+    133,802, layer 5 108,958, KWS's layer 1 112,453 on it: all gains), not elsewhere (forced:
+    VWW's layer 1 239,451 against 210,002, layer 7 204,380 against 194,983, layer 9 99,431
+    against 95,801).
 TINYDEPLOY_ALGO=qconv2d_lanes forces it wherever it fits; naming another family keeps that one.
 """
 from __future__ import annotations
@@ -37,9 +58,8 @@ from tinydeploy.schedule.cost import _round_up
 from tinydeploy.schedule.q8 import _conv_weights, dw_geometry, q8_isa, requant_scales, wrap32
 from tinydeploy.targets.isa import get_isa
 
-K_MAX = 40                  # taps held in registers: K * NPX / 8 int16 vectors (NPX 4: 20)
+K_MAX = 40                  # SMLAL form: the taps in registers, K * NPX / 8 int16 vectors (NPX 4: 20)
 GROUP_MAX = 4096            # tap groups: the output channels unrolled, up to M * K taps
-LANES_NOTE = ""
 
 
 def int16_exact(w) -> bool:
