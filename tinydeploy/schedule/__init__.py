@@ -101,8 +101,10 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
     for step, k in enumerate(kernels):
         if k is not None and k.family in ("qconv2d", "qdense") and target.caches:
             # 8-bit: the exact integer Winograd where it applies (schedule/q8wino.py), else q8.py's
-            # (or the pixels-in-lanes kernel of short-K layers, schedule/q8lanes.py)
-            k = (q8wino.select_q8wino(g, step, k, target, force) or q8lanes.select_q8lanes(g, step, k, target, force)
+            # (or the pixels-in-lanes kernel of short-K layers, schedule/q8lanes.py: one thread only,
+            # it is not spread over threads as the GEMMs are)
+            k = (q8wino.select_q8wino(g, step, k, target, force)
+                 or (q8lanes.select_q8lanes(g, step, k, target, force) if threads <= 1 else None)
                  or select_q8(g, step, k, target, force))
         if k is not None and k.family == "qadd":
             k = select_qadd(k, target)                  # NEON's int32-lane constants
