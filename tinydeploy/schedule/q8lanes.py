@@ -157,6 +157,35 @@ def select_q8lanes(g, step: int, k: Kernel, target, force: str) -> Kernel | None
     return select(g, step, k, isa)
 
 
+def im2col_rows(p: dict, offs: list[int], pls: int, wpl: int) -> tuple[list[dict], list[int]]:
+    """The im2col form's rows: tap (c, ky, kx) reads its channel's plane of stride phase
+    ((ky DH) % SH, (kx DW) % SW) at row (ky DH) // SH and column (kx DW) // SW of an output
+    (offs: dw_geometry's offsets), so taps of one channel, phase and column share a row of the
+    planes' bytes per output row from row 0 on: tap k's im2col row is that one from output row
+    (ky DH) // SH on. Returns the shared rows (src: the planes' offset, rows: output rows
+    copied, off and len: its place among the rows, whole vectors and 16 bytes for 8-byte copies)
+    and each tap's row offset."""
+    taps, ow = p["KH"] * p["KW"], p["OW"]
+    keys: dict[int, int] = {}
+    need: list[int] = []
+    tap_row = []
+    for k in range(p["C"] * taps):
+        c, t = divmod(k, taps)
+        ry = (t // p["KW"]) * p["DH"] // p["SH"]
+        src = c * pls + offs[t] - ry * wpl
+        e = keys.setdefault(src, len(keys))
+        if e == len(need):
+            need.append(0)
+        need[e] = max(need[e], p["OH"] + ry)
+        tap_row.append((e, ry))
+    ext, off = [], 0
+    for src, e in keys.items():
+        length = _round_up(need[e] * ow, 16) + 16
+        ext.append({"src": src, "rows": need[e], "off": off, "len": length})
+        off += length
+    return ext, [ext[e]["off"] + ry * ow for e, ry in tap_row]
+
+
 def select(g, step: int, k: Kernel, isa: str) -> Kernel:
     p = dict(k.params)
     w = _conv_weights(g, k)                                    # [M][K]
@@ -198,16 +227,16 @@ def select(g, step: int, k: Kernel, isa: str) -> Kernel:
     cols = p["OH"] * p["OW"]
     dr = direct(p)
     off = 0
+    rowoff = [c * cols for c in range(kk)]
     if not dr:                  # padded planes (one per stride phase), then the im2col rows
         hp, wpl, phases, offs = dw_geometry(p)
         pls = len(phases) * hp * wpl
-        rowlen = _round_up(cols, 16) + 16                    # 8-byte copies of short rows run over
-        p.update(PHP=hp, PWP=wpl, PPH=phases, POFFS=offs, PPLS=pls, ROWLEN=rowlen,
-                 OFF_ROWS=_round_up(p["C"] * pls + 16, 64))
-        off = p["OFF_ROWS"] + _round_up(kk * rowlen, 64)
+        ext, rowoff = im2col_rows(p, offs, pls, wpl)
+        p.update(PHP=hp, PWP=wpl, PPH=phases, PPLS=pls, EXT=ext, OFF_ROWS=_round_up(p["C"] * pls + 16, 64))
+        off = p["OFF_ROWS"] + _round_up(ext[-1]["off"] + ext[-1]["len"], 64)
     scratch = off + (mp * n_px * 4 if len(chs) > 1 else 0)  # the int32 sums between passes
     p.update(algo="qconv2d_lanes", q8_isa=isa, K=kk, KP=_round_up(kk, 8), NPX=n_px, P=cols, DIRECT=dr,
-             PADB=p["ZX"] % 256, GROUPS=groups, XFLIP=xflip, CHUNKS=chs, OFF_ACC=off)
+             PADB=p["ZX"] % 256, GROUPS=groups, XFLIP=xflip, CHUNKS=chs, OFF_ACC=off, ROWOFF=rowoff)
     args = [k.args[0], wname, bname] + ([rname] if rname else []) + [k.args[-1]] + (
         [scratch_arg(step)] if scratch else [])
     how = "direct" if dr else "im2col planes"
