@@ -3,8 +3,8 @@ qconv2d_lanes.c.j2), bit for bit against tinydeploy's exact reference under qemu
 (Cortex-A72: neon; it has no x86 or portable form), and where it is chosen by itself.
 
 One model per activation type holds many layers side by side (one compiled binary, two seeds):
-the 1x1 direct form with K of 1, 3, 8, 13 and 16 (16 and 8 pixels a block) and K = 40 forced (4
-pixels a block), the im2col form of one-channel first layers (KWS's 10x4 stride 2 over 49x10
+the 1x1 direct form with K of 1, 3, 8, 13 and 16 (16 and 8 pixels a block), 40 and 64 (in passes of
+16 taps; 4 pixels a block forced where a weight is -128), the im2col form of one-channel first layers (KWS's 10x4 stride 2 over 49x10
 with its padding, 3x3 padded, 1x3 stride (1, 2) asymmetrically padded, K = 40, 9 and 3) and of a
 2-channel 3x3 stride-2 layer (K = 18, forced); pixel counts that no block size divides, 1 and odd
 output channels, channels whose taps go in int16 groups (at their bound, with every input at an
@@ -38,6 +38,7 @@ LAYERS = [
     (8, 4, 5, 3, (1, 1), (1, 1), (0, 0, 0, 0), "mid", "edge", None, True),     # int16 groups at their bound
     (16, 2, 9, 6, (1, 1), (1, 1), (0, 0, 0, 0), "hi", "small", "relu", True),  # many groups, 8 a block
     (3, 9, 10, 5, (3, 3), (2, 2), (0, 1, 1, 1), "hi", "sym", "relu", True),    # K 27: passes of 16 and 11
+    (64, 3, 5, 5, (1, 1), (1, 1), (0, 0, 0, 0), "lo", "small", None, True),    # K 64: 4 passes
 ]
 # the "edge" layer's weights: a group of taps whose products reach -32768 (taps 0-2 of channel 0
 # with every x at -128), one that stops short of 32768 (channel 1: -127, -127, -2 would reach it),
@@ -114,7 +115,7 @@ def test_aarch64_lanes_bit_exact(dtype, tmp_path, monkeypatch):
             assert res["exact_reference"]["identical"] and res["outputs_match"], (algo, end, res)
         for n in (16, 8, 4) if algo != "auto" else (16, 8):      # 4: the K = 18 layer's -128
             assert f"[qconv2d_lanes neon {n} pixels " in src, (algo, n)
-        assert src.count(" in 3 passes groups ") == 2 and " in 2 passes groups " in src
+        assert src.count(" in 3 passes groups ") == 2 and " in 2 passes groups " in src and " in 4 passes " in src
 
 
 def test_int16_groups():
@@ -138,6 +139,7 @@ def test_lanes_choice():
     assert not q8lanes.preferred(p, "qconv2d_gemm") and not q8lanes.preferred(dict(p, C=32), "auto")
     assert q8lanes.preferred(dict(p, C=32), "auto", True)        # the grouped form, in passes
     assert q8lanes.preferred(dict(p, C=32), "qconv2d_lanes") and not q8lanes.fits(dict(p, C=41))
+    assert q8lanes.fits(dict(p, C=64), True) and not q8lanes.fits(dict(p, C=65), True)      # 4 passes of 16
     assert not q8lanes.fits(dict(p, OH=1, OW=15))        # fewer pixels than a block of 16
     kws = dict(p, C=1, KH=10, KW=4, SH=2, SW=2, PT=4, PL=1, H=49, W=10, OH=25, OW=5)
     assert q8lanes.fits(kws) and q8lanes.preferred(kws, "auto") and q8lanes.npx(40) == 4

@@ -59,7 +59,10 @@ from tinydeploy.schedule.q8 import _conv_weights, dw_geometry, q8_isa, requant_s
 from tinydeploy.targets.isa import get_isa
 
 K_MAX = 40                  # SMLAL form: the taps in registers, K * NPX / 8 int16 vectors (NPX 4: 20)
-GROUP_MAX = 4096            # tap groups: the output channels unrolled, up to M * K taps
+GK_MAX = 64                 # grouped form: 4 passes of 16 taps
+# tap groups: the output channels unrolled, up to M * K taps (about 35 KB of code a layer at most,
+# within Cortex-A72's 48 KB instruction cache; VWW's 128 x 64 layer 13 would take twice that)
+GROUP_MAX = 4096
 
 
 def int16_exact(w) -> bool:
@@ -118,10 +121,10 @@ def direct(p: dict) -> bool:
             and (p["OH"], p["OW"]) == (p["H"], p["W"]))
 
 
-def fits(p: dict) -> bool:
-    """One group, K <= K_MAX, at least one block of pixels."""
+def fits(p: dict, grouped_form: bool = False) -> bool:
+    """One group, K <= K_MAX (the grouped form, in passes: GK_MAX), at least one block of pixels."""
     kk = p["C"] * p["KH"] * p["KW"]
-    return p["G"] == 1 and kk <= K_MAX and p["OH"] * p["OW"] >= npx(kk)
+    return p["G"] == 1 and kk <= (GK_MAX if grouped_form else K_MAX) and p["OH"] * p["OW"] >= npx(kk, grouped_form)
 
 
 def grouped(p: dict, w: np.ndarray) -> bool:
@@ -152,7 +155,10 @@ def select_q8lanes(g, step: int, k: Kernel, target, force: str) -> Kernel | None
     if isa is None or isa != q8_isa("qconv2d_gemm", k, target) or get_isa(isa).q8.flavour != "mlal":
         return None
     p = dict(k.params)
-    if not fits(p) or not preferred(p, force, grouped(p, _conv_weights(g, k))):
+    if p["G"] != 1:
+        return None
+    form = grouped(p, _conv_weights(g, k))
+    if not fits(p, form) or not preferred(p, force, form):
         return None
     return select(g, step, k, isa)
 
