@@ -2,21 +2,23 @@
 qconv2d_lanes.c.j2), bit for bit against tinydeploy's exact reference under qemu-aarch64
 (Cortex-A72: neon; it has no x86 or portable form), and where it is chosen by itself.
 
-One model per activation type holds many layers side by side (one compiled binary, two seeds):
-the 1x1 direct form with K of 1, 3, 8, 13 and 16 (16 and 8 pixels a block), 40 and 64 (in passes of
-16 taps; 4 pixels a block forced where a weight is -128), the im2col form of one-channel first layers (KWS's 10x4 stride 2 over 49x10
-with its padding, 3x3 padded, 1x3 stride (1, 2) asymmetrically padded, K = 40, 9 and 3) and of a
-2-channel 3x3 stride-2 layer (K = 18, forced); pixel counts that no block size divides, 1 and odd
-output channels, channels whose taps go in int16 groups (at their bound, with every input at an
-end of its range), activation zero points at both ends of their range and in between, output zero
-points at the type's low end, 0 or 128 and inside, int8 weights
-over the whole range (-128 included) or symmetric, uint8 weights with a zero point (int16
-w - zw), a fused Relu and an output scale that saturates."""
+One model per activation type holds many layers side by side (one compiled binary, two seeds and
+inputs at both ends of their range): the 1x1 direct form with K of 1, 3, 8, 13 and 16 (16 and 8
+pixels a block), 40 and 64 (in passes of 16 taps); the im2col form of one-channel first layers
+(KWS's 10x4 stride 2 over 49x10 with its padding, 3x3 padded, 1x3 stride (1, 2) asymmetrically
+padded: K = 40, 9 and 3), of a 3-channel 3x3 stride-2 layer (K = 27, passes of 16 and 11) and of
+a 2-channel one with a -128 weight (K = 18: the SMLAL form's 4 pixels a block, forced); pixel
+counts that no block size divides, 1 and odd output channels, channels whose taps go in int16
+groups (at their bound, with every input at an end of its range), activation zero points at both
+ends of their range and in between, output zero points at the type's low end, 0 or 128 and
+inside, int8 weights over the whole range (-128 included), symmetric or small, uint8 weights with
+a zero point (int16 w - zw), a fused Relu and an output scale that saturates."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from test_q8_winograd import _zp
 from test_quantized import QDQ, qrange
 from tinydeploy import flow
 from tinydeploy.schedule import q8lanes
@@ -44,11 +46,6 @@ LAYERS = [
 # with every x at -128), one that stops short of 32768 (channel 1: -127, -127, -2 would reach it),
 # taps of both signs and zero taps (channel 2)
 EDGE = [[127, 127, 2, 1, 1, 1, 1, 1], [-127, -127, -2, -1, -1, -1, -1, -1], [127, -127, 127, -127, 1, 1, 0, 0]]
-
-
-def _zp(kind, dtype):
-    lo, hi = qrange(dtype)
-    return {"lo": lo, "hi": hi, "mid": (lo + hi) // 2 + 3}[kind]
 
 
 def lanes_model(dtype):
@@ -93,26 +90,27 @@ def lanes_model(dtype):
 @pytest.mark.parametrize("dtype", [pytest.param(np.int8, id="s8"), pytest.param(np.uint8, id="u8")])
 def test_aarch64_lanes_bit_exact(dtype, tmp_path, monkeypatch):
     """rpi4 (neon): the layers q8lanes.preferred names take the kernel by itself, every layer when
-    forced; both held to the exact reference bit for bit and to the oracle, two seeds each."""
+    forced; both held to the exact reference bit for bit and to the oracle, on two seeds and on
+    inputs all at the low or the high end of their range."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     path = save(lanes_model(dtype), tmp_path)
+    # two seeds, then every input at an end of its range (the groups' int16 sums at their bound)
+    ends = []
+    for end in (0, -1):
+        ends.append(tmp_path / f"end{end}.npz")
+        np.savez(ends[-1], **{f"x{i}": np.full((1, r[0], r[1], r[2]), qrange(dtype)[end], dtype)
+                              for i, r in enumerate(LAYERS)})
     for algo, want in (("auto", sum(r[-1] for r in LAYERS)), ("qconv2d_lanes", len(LAYERS))):
         monkeypatch.setenv("TINYDEPLOY_ALGO", algo)
-        for seed in (0, 1):
-            res = flow.run(path, "rpi4", outdir=tmp_path / algo, quiet=True, latency=False, emulate=True, seed=seed)
-            assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        for feed in [0, 1] + ends:
+            seeded = isinstance(feed, int)
+            res = flow.run(path, "rpi4", inputs=None if seeded else feed, seed=feed if seeded else 0,
+                           outdir=tmp_path / algo, quiet=True, latency=False, emulate=True)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], (algo, feed, res)
         src = (tmp_path / algo / "td_kernels.c").read_text()
         assert src.count("[qconv2d_lanes neon ") == want, algo
         assert src.count(" groups direct] ") >= 3 and '"mla v' in src, algo
-        # every input at an end of its range: the groups' int16 sums at their bound
-        for end in (0, -1):
-            feeds = tmp_path / f"end{end}.npz"
-            np.savez(feeds, **{f"x{i}": np.full((1, r[0], r[1], r[2]), qrange(dtype)[end], dtype)
-                               for i, r in enumerate(LAYERS)})
-            res = flow.run(path, "rpi4", inputs=feeds, outdir=tmp_path / algo, quiet=True, latency=False,
-                           emulate=True)
-            assert res["exact_reference"]["identical"] and res["outputs_match"], (algo, end, res)
         for n in (16, 8, 4) if algo != "auto" else (16, 8):      # 4: the K = 18 layer's -128
             assert f"[qconv2d_lanes neon {n} pixels " in src, (algo, n)
         assert src.count(" in 3 passes groups ") == 2 and " in 2 passes groups " in src and " in 4 passes " in src

@@ -15,12 +15,12 @@ the requantisation is the reference's float32 one in the same registers (SCVTF, 
 FCVTNS: round to nearest even, as rne; saturating narrows, the zero point, the clamp), and the
 bytes are stored in place in the output row. A last block of a row count that NPX does not divide
 overlaps the one before (the same values written twice). Two forms:
-  grouped  int8 weights all in [-127, 127] (`grouped`): 16 pixels where K <= 8, else 8, in passes
-           of 16 taps (`chunks`; the int32 sums of a pass wait in scratch for the next). Per
-           channel its taps in int16 groups (`tap_groups`): MUL / MLA by lane on 8 pixels a
-           register (8 multiply-adds an instruction), SADDW / SADDW2 into the accumulators once a
-           group; taps left alone by SMLAL / SMLAL2. The output channels are unrolled (each has
-           its own groups), up to GROUP_MAX taps in all.
+  grouped  int8 weights all in [-127, 127] (`grouped`), K <= GK_MAX = 64: 16 pixels where K <= 8,
+           else 8, in passes of 16 taps (`chunks`; the int32 sums of a pass wait in scratch for
+           the next). Per channel its taps in int16 groups (`tap_groups`): MUL / MLA by lane on
+           8 pixels a register (8 multiply-adds an instruction), SADDW / SADDW2 into the
+           accumulators once a group; taps left alone by SMLAL / SMLAL2. The output channels are
+           unrolled (each has its own groups), up to GROUP_MAX taps in all.
   SMLAL    otherwise (weights with a -128, uint8 or int16 w - zw): every tap SMLAL / SMLAL2 by
            lane, a rolled loop over pairs of channels; 16 pixels where K <= 8, 8 where K <= 16,
            4 up to K_MAX = 40 (two taps a register, the pair requantised together).
@@ -38,14 +38,18 @@ it exactly.
 Where (`preferred`), fitted to exact instruction counts under qemu-aarch64 -cpu cortex-a72 (rpi4)
 against what runs otherwise:
   grouped, wherever it fits (every layer measured gains): VWW's layer 1 (3x3 stride 2, 3 channels,
-    K 27, 2 passes) 210,002 -> 170,904 (igemm before), layer 3 (K 8) 187,346 -> 110,756, layer 5
+    K 27, 2 passes) 210,002 -> 167,464 (igemm before), layer 3 (K 8) 187,346 -> 110,756, layer 5
     (K 16) 127,013 -> 82,384, layer 7 (K 32) 194,983 -> 135,739, layer 9 (K 32, 144 pixels)
-    95,801 -> 67,970; KWS's layer 1 (K 40, 3 passes) 139,232 -> 80,107; IC's 1x1 stride-2 layers
-    (K 16, 32) 57,416 -> 39,140 and 44,035 -> 31,889 (im2col GEMM before).
+    95,801 -> 67,970, layer 11 (K 64, 4 passes) 155,462 -> 114,697; KWS's layer 1 (K 40, 3
+    passes) 139,232 -> 76,904, its pointwise layers (K 64) 140,579 -> 108,933-111,093; IC's 1x1
+    stride-2 layers (K 16, 32) 57,416 -> 39,140 and 44,035 -> 31,889 (the im2col GEMM before).
+    Not past GROUP_MAX (VWW's 128 x 64 layer 13 measured 77,202 -> 55,052, but with about 70 KB
+    of unrolled code).
   SMLAL, the 1x1 direct form where K <= 16 and the im2col form of one-channel layers (VWW's layer 3
     133,802, layer 5 108,958, KWS's layer 1 112,453 on it: all gains), not elsewhere (forced:
     VWW's layer 1 239,451 against 210,002, layer 7 204,380 against 194,983, layer 9 99,431
     against 95,801).
+Only in single-thread builds (schedule/__init__.py: it is not spread over threads).
 TINYDEPLOY_ALGO=qconv2d_lanes forces it wherever it fits; naming another family keeps that one.
 """
 from __future__ import annotations
