@@ -47,7 +47,7 @@ ISA_C = {
     "avx512bw": IsaC("immintrin.h", r"\b_mm512_(?:madd_epi16|cvtepi8_epi16|cvtepu8_epi16|unpack(?:lo|hi)_epi16)\("),
     "avx512-vnni": IsaC("immintrin.h", r"\b_mm512_dpbusd_epi32\("),
     "avx-vnni": IsaC("immintrin.h", r"\b_mm256_dpbusd_avx_epi32\("),
-    "neon": IsaC("arm_neon.h", r"\bv(?:fmaq|ld1q|st1q)_\w+\(|\"fmla %\[\w+\]\.4s"),     # intrinsics or asm FMLA
+    "neon": IsaC("arm_neon.h", r"\bv(?:fmaq|ld1q|st1q)_\w+\(|\"fmla %\[\w+\]\.4s|\"(?:smlal|saddw)2? %\[\w+\]\.4s"),     # intrinsics or asm FMLA / SMLAL / SADDW
     "neon-dotprod": IsaC("arm_neon.h", r"\bvdotq_(?:laneq_)?[su]32\(|\"sdot v\d+\.4s"),     # intrinsics or asm SDOT
     "cortex-m4-dsp": IsaC("arm_acle.h", r"\b(?:__smla\w+|__[su]xtab16|__[su]xtb16|td_dsp_\w+)\("),
     "cortex-m4-fpu": IsaC(None, r"\btd_fpu_vfma\w*\("),
@@ -84,6 +84,8 @@ VARIANTS = (
     Variant("qconv2d_dw", ("s8", "u8"), ("avx512bw", "avx2", "neon-dotprod", "neon"), "qconv2d_dw.c.j2"),
     # exact integer Winograd F(2x2, 3x3) for 3x3 stride-1 layers (schedule/q8wino.py)
     Variant("qconv2d_winograd", ("s8", "u8"), ("avx2", "neon"), "qconv2d_winograd.c.j2"),
+    # short K with the output pixels in the vector lanes, SMLAL by lane (schedule/q8lanes.py)
+    Variant("qconv2d_lanes", ("s8", "u8"), ("neon",), "qconv2d_lanes.c.j2"),
     Variant("qdense_packed", ("s8", "u8"), _Q8_ISAS, "qdense_packed.c.j2"),
     Variant("qdense", ("s8", "u8"), ("cortex-m4-dsp",), "qdense_cortex-m4-dsp.c.j2"),
     Variant("qadd", ("s8", "u8"), ("cortex-m4-dsp",), "qadd_cortex-m4-dsp.c.j2"),

@@ -69,7 +69,7 @@ from tinydeploy.schedule.first import drop_folded
 from tinydeploy.schedule.mcu import OPTIMIZE, check_optimize, flash_choices, select_mcu  # noqa: F401
 from tinydeploy.schedule import mcu, stream
 from tinydeploy.schedule.q8 import fit_gemm, select_q8, select_qadd
-from tinydeploy.schedule import q8wino
+from tinydeploy.schedule import q8lanes, q8wino
 from tinydeploy.schedule.threads import parallel_blocks, parallelise  # noqa: F401
 from tinydeploy.schedule.winograd import winograd_applies, winograd_costs  # noqa: F401
 
@@ -101,7 +101,11 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
     for step, k in enumerate(kernels):
         if k is not None and k.family in ("qconv2d", "qdense") and target.caches:
             # 8-bit: the exact integer Winograd where it applies (schedule/q8wino.py), else q8.py's
-            k = q8wino.select_q8wino(g, step, k, target, force) or select_q8(g, step, k, target, force)
+            # (or the pixels-in-lanes kernel of short-K layers, schedule/q8lanes.py: one thread only,
+            # it is not spread over threads as the GEMMs are)
+            k = (q8wino.select_q8wino(g, step, k, target, force)
+                 or (q8lanes.select_q8lanes(g, step, k, target, force) if threads <= 1 else None)
+                 or select_q8(g, step, k, target, force))
         if k is not None and k.family == "qadd":
             k = select_qadd(k, target)                  # NEON's int32-lane constants
         if k is not None and k.dtype == "f32" and k.family in ("conv2d", "dense"):
