@@ -312,6 +312,25 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
     assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
 
 
+def _pointwise_chain(tmp_path, dtype, seed, weights, chans, hw, zps):
+    """Three 1x1 layers chans[0] -> chans[1] (Relu) -> chans[2] -> chans[3] over hw pixels, the
+    input and the two inner outputs at zero points zps, run on rpi4 under qemu-aarch64 with two
+    input seeds, bit for bit against the exact reference: (model path, td_kernels.c)."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    hi = qrange(dtype)[1]
+    b, conv, requant, _ = _chain_layers(dtype, seed, weights)
+    c0, c1, c2, c3 = chans
+    x, xs = requant(conv(b.dq("x", 0.05, zps[0], dtype), 0.05, c0, c1, (1, 1), act="relu"), 0.04, zps[1])
+    x, xs = requant(conv(x, xs, c1, c2, (1, 1)), 0.05, zps[2])
+    y = conv(x, xs, c2, c3, (1, 1))
+    path = save(b.model([("x", dtype, [1, c0, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
+    for s in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=s)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    return path, (tmp_path / "b" / "td_kernels.c").read_text()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["symmetric", "small", "spread"])
 @pytest.mark.parametrize("hw", [(3, 3), (1, 5), (6, 6)])
@@ -320,25 +339,16 @@ def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
     layers with K = 32 (2 k-groups, unrolled) and K = 176 (11 k-groups: the loop), 176 and 6
     output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels),
     1x5 (4 x 3 tiles, a short last panel) and 6x6 (36 columns: 4 x 3 panels packed 16 columns at
-    a time); weights within [-63, 63] take the int16 sums over
+    a time, K = 32 the wide tile); weights within [-63, 63] take the int16 sums over
     two k-groups (quad: K = 32 one pair, K = 176 one k-group then a loop of 5 pairs); weights
     with two heavy channels in one lane take it for K = 32 with K reordered (kp_), for K = 176
     in its order (11 k-groups: the heavy k-group 0 is summed alone); the same bits."""
-    require("aarch64-linux-gnu-gcc")
-    require("qemu-aarch64")
-    lo, hi = qrange(dtype)
-    b, conv, requant, _ = _chain_layers(dtype, 11, weights)
-    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 32, 176, (1, 1), act="relu"), 0.04, lo)
-    x, xs = requant(conv(x, xs, 176, 6, (1, 1)), 0.05, lo + 100)
-    y = conv(x, xs, 6, 9, (1, 1))
-    path = save(b.model([("x", dtype, [1, 32, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
-    for seed in (0, 1):
-        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
-        assert res["exact_reference"]["identical"] and res["outputs_match"], res
-    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    lo, _ = qrange(dtype)
+    _, src = _pointwise_chain(tmp_path, dtype, 11, weights, (32, 176, 6, 9), hw, (lo + 5, lo, lo + 100))
     assert src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 176
     if hw == (6, 6):          # 36 columns: 4 x 3 only with quad and K = 176 (panels of 16 columns packed)
         assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == (weights != "symmetric")
+        assert src.count(" 4x16 wide ") == 1     # K = 32 (4 x 3 quad would cost more): the wide tile
         return
     assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2
     assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == {"symmetric": 0, "small": 2, "spread": 2}[weights]
@@ -361,6 +371,38 @@ def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
             res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
             assert res["exact_reference"]["identical"] and res["outputs_match"], (case, dtype, board, res)
             assert " im2col planes] " in (tmp_path / board / "td_kernels.c").read_text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hw", [(4, 4), (4, 5), (2, 19), (5, 25)])
+def test_aarch64_smull_wide_tile_bit_exact(hw, dtype, tmp_path):
+    """Cortex-A72's wide SMULL-pairs tile (4 rows x 16 columns, the columns in the int32 lanes;
+    schedule/q8.py smull_wide) on 1x1 layers: K = 32 (8 steps of 4 k, unrolled) under a Relu
+    (the clamp), K = 76 (19 steps: one, then a loop of pairs) with its output zero point far
+    from the middle; 16 columns (one full panel), 20 (a last panel of 4 columns), 38 (6) and 125
+    (13: 8 + 4 + 1 bytes stored a row); 76 and 32 output channels; 6 channels (rows past M) keep
+    the 4 x 4 tile. int8 and uint8 activations (flipped into signed bytes); 125 columns also on
+    two threads (each packs and multiplies its own panels); the same bits."""
+    lo, hi = qrange(dtype)
+    path, src = _pointwise_chain(tmp_path, dtype, 13, "symmetric", (32, 76, 32, 6), hw, (lo + 9, lo + 7, hi - 60))
+    assert src.count("[qconv2d_gemm neon smull 4x16 wide ") == 2 and src.count("[qconv2d_gemm neon smull 4x4 ") == 1
+    assert src.count("\"b.ne 1b\\n\\t\"") == (2 if hw[0] * hw[1] % 16 else 1)    # K = 76: full and last panel
+    if hw == (5, 25):         # on 2 threads: panels 0-3 and 4-7 (the last one, 13 columns)
+        res = flow.run(path, "rpi4", outdir=tmp_path / "t", quiet=True, latency=False, emulate=True, threads=2)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        src = (tmp_path / "t" / "td_kernels.c").read_text()
+        assert src.count(" wide kc 32 nc 64 direct threads 2]") == 1 and "omp parallel" in src
+
+
+def test_smull_wide_choice():
+    """The wide tile where its model counts fewer instructions than the 4 x 4 / 4 x 3 tiles: KWS's
+    pointwise layers (125 columns, K = 64), VWW's 24x24, 12x12 and 6x6 ones with K = 32, 64; not
+    VWW's quad 4 x 3 layers (36 columns, K = 128), nor under 16 columns or K not a multiple of 4."""
+    from tinydeploy.schedule import q8
+    assert q8.smull_wide(125, 64, 4, False) and q8.smull_wide(576, 32, 4, False)
+    assert q8.smull_wide(144, 64, 4, False) and q8.smull_wide(36, 64, 4, False)
+    assert not q8.smull_wide(36, 128, 3, True) and not q8.smull_wide(9, 256, 3, True)
+    assert not q8.smull_wide(16, 34, 4, False)
 
 
 def test_smull_quad_bound():
