@@ -25,7 +25,10 @@ descriptor says how it multiplies exactly:
         with 16 columns or more take the "wide" 4 x 16 tile where it counts fewer instructions
         (smull_wide): the same SMULL + SMLAL2 + SADALP on steps of 4 k, the weights replicated
         at build time so that an int32 lane is one output column (no reduction across lanes),
-        requantised and stored a row of 16 bytes at a time inside the assembly.
+        requantised and stored a row of 16 bytes at a time inside the assembly; over panels of 12
+        columns with two steps summed in int16 where the weights prove it (smull_wide_quad, K
+        possibly reordered: smull_quad_order(wide=True)) and it counts fewer instructions
+        (smull_wide_quad_pays: VWW's 6x6 layers).
 
 Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
 qdense_packed.c.j2; the ISA pieces in _q8.j2):
@@ -221,9 +224,19 @@ def smull_quad(w: np.ndarray, kgn: int) -> bool:
     return 128 * int(pairs.max()) <= 32767
 
 
-def smull_quad_order(w: np.ndarray, tries: int = 4000) -> np.ndarray | None:
+def smull_wide_quad(w: np.ndarray) -> bool:
+    """Whether the wide tile may sum two steps' products in int16 before SADALP (K a multiple of
+    8): an int16 lane of row r then gathers k = 8 p + j + 2 t (t = 0..3, j = 0, 1), which must
+    hold |w| summing to at most 255, as for smull_quad. w: [M][K] int8 weights."""
+    if not w.size or w.shape[1] % 8:
+        return False
+    lanes = np.abs(np.asarray(w, np.int64)).reshape(len(w), -1, 4, 2).sum(axis=2)
+    return 128 * int(lanes.max()) <= 32767
+
+
+def smull_quad_order(w: np.ndarray, tries: int = 4000, wide: bool = False) -> np.ndarray | None:
     """An order of K (K a multiple of 32, a 1x1 layer: B's rows are the input channels, read in
-    this order) under which smull_quad holds, or None: the channels dealt into the K/4 lane
+    this order) under which smull_quad holds (wide: K a multiple of 8, smull_wide_quad), or None: the channels dealt into the K/4 lane
     quads (4 positions an int16 lane sums) largest |w| first, then swaps between quads that
     lower the excess over 255 (summed over rows and quads), from a fixed seed (the same order for
     the same weights). VWW's 128-channel layers 15, 17 and its 32-channel layer 7 find one, KWS's
@@ -257,9 +270,11 @@ def smull_quad_order(w: np.ndarray, tries: int = 4000) -> np.ndarray | None:
     if over:
         return None
     perm = np.zeros(k, np.int64)             # quad (pair i, lane j) -> k-positions 32 i + j + 8 t
-    for qd in range(nq):
-        i, j = divmod(qd, 8)
-        perm[32 * i + j + 8 * np.arange(4)] = g[qd]
+    for qd in range(nq):                     # (wide: step pair i, lane j -> 8 i + j + 2 t)
+        i, j = divmod(qd, 2 if wide else 8)
+        perm[(8 if wide else 32) * i + j + (2 if wide else 8) * np.arange(4)] = g[qd]
+    if wide:
+        return perm if smull_wide_quad(a[:, perm]) else None
     return perm if smull_quad(a[:, perm], k // 16) else None
 
 
@@ -278,6 +293,20 @@ def smull_wide(cols: int, kk: int, nr: int, quad: bool) -> bool:
     wide = full * (ks * 50 + 100) + (ks * (2 + 12 * nbt) + 30 * nbt if rem else 0)
     per = kgn * (52 if nr == 4 else 32 if quad else 38) + 64
     return wide < -(-cols // nr) * per
+
+
+def smull_wide_quad_pays(cols: int, kk: int, nr: int, quad: bool) -> bool:
+    """Whether the wide tile over 12-column panels with two steps summed in int16 (smull_wide_quad:
+    64 instructions per 8 k of a panel plus about 90) counts fewer instructions than the 4 x nr
+    tile (smull_cols' model) and the wide tile without it (smull_wide's): VWW's 128-channel 6x6
+    layers. Panels of 12 whole columns, packed by an unrolled loop (up to 96 columns)."""
+    if cols % 12 or cols > 96 or kk % 8:
+        return False
+    wq = cols // 12 * (kk // 8 * 64 + 90)
+    full, rem = divmod(cols, 16)
+    nbt = -(-rem // 4)
+    wide = full * (kk // 4 * 50 + 100) + (kk // 4 * (2 + 12 * nbt) + 30 * nbt if rem else 0)
+    return wq < min(wide, -(-cols // nr) * (-(-kk // 16) * (52 if nr == 4 else 32 if quad else 38) + 64))
 
 
 def _tag(q: Q8) -> str:
@@ -366,10 +395,22 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
             kperm = None
         elif kperm is not None:
             w = w[:, kperm]           # packed k-position i holds input channel kperm[i]
-    wide = (q.flavour == "smull" and direct and G == 1 and mg % 4 == 0 and kgn >= 2 and mr == 4
-            and not os.environ.get("TINYDEPLOY_TILE") and smull_wide(cols, kk, nr, quad))
+    elig = (q.flavour == "smull" and direct and G == 1 and mg % 4 == 0 and kgn >= 2 and mr == 4
+            and not os.environ.get("TINYDEPLOY_TILE"))
+    wquad, wperm = False, None
+    if elig and smull_wide_quad_pays(cols, kk, nr, quad):
+        w0 = _conv_weights(g, k)
+        wquad = smull_wide_quad(w0)
+        if not wquad:
+            wperm = smull_quad_order(w0, wide=True)
+            wquad = wperm is not None
+    wide = elig and (wquad or smull_wide(cols, kk, nr, quad))
     if wide:                  # the wide tile: K in its order, B packed once, 16 columns a panel
         quad, kperm, nr, w = False, None, 16, _conv_weights(g, k)
+    if wquad:                 # ... or 12, two steps summed in int16 (K in another order where needed)
+        quad, kperm, nr = True, wperm, 12
+        if kperm is not None:
+            w = w[:, kperm]
     mp = _round_up(mg, mr)
     # All of K in one block where a panel of NR columns over all of K fits in half of L2: measured
     # on an AVX2 host, the ResNet-50 (uint8) layers split in K (int32 partial sums kept between the
@@ -389,7 +430,7 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     consts = {}
     wdat = wp.astype(np.int8) if q.flavour == "smull" else group_words(wp, q.flavour)
     if wide:                  # [MP/4][K/4][4 rows][16]: w[k0], w[k1] four times, then w[k2], w[k3]
-        kcg, blocks, nc = kgn, 1, _round_up(cols, 16)
+        kcg, blocks, nc = kgn, 1, _round_up(cols, nr)
         w4 = np.zeros((mp, kk // 4, 2, 4, 2), np.int64)
         w4[:mg] = w.reshape(mg, kk // 4, 2, 1, 2)
         wdat = w4.reshape(mp // 4, 4, kk // 4, 16).transpose(0, 2, 1, 3).astype(np.int8)
