@@ -380,20 +380,25 @@ def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zy", ["clamp", "bottom"])
 @pytest.mark.parametrize("hw", [(4, 4), (4, 5), (2, 19), (5, 25)])
-def test_aarch64_smull_wide_tile_bit_exact(hw, dtype, tmp_path):
+def test_aarch64_smull_wide_tile_bit_exact(hw, zy, dtype, tmp_path):
     """Cortex-A72's wide SMULL-pairs tile (4 rows x 16 columns, the columns in the int32 lanes;
     schedule/q8.py smull_wide) on 1x1 layers: K = 32 (8 steps of 4 k, unrolled) under a Relu
     (the clamp), K = 76 (19 steps: one, then a loop of pairs) with its output zero point far
     from the middle; 16 columns (one full panel), 20 (a last panel of 4 columns), 38 (6) and 125
     (13: 8 + 4 + 1 bytes stored a row); 76 and 32 output channels; 6 channels (rows past M) keep
-    the 4 x 4 tile. int8 and uint8 activations (flipped into signed bytes); 125 columns also on
-    two threads (each packs and multiplies its own panels); the same bits."""
+    the 4 x 4 tile. The first layer's output zero point 7 above the bottom of its range (the Relu
+    clamps) or at the bottom (no clamp: the unsigned saturation, moved by 128 for int8). int8 and
+    uint8 activations (flipped into signed bytes); 125 columns also on two threads (each packs
+    and multiplies its own panels); the same bits."""
     lo, hi = qrange(dtype)
-    path, src = _pointwise_chain(tmp_path, dtype, 13, "symmetric", (32, 76, 32, 6), hw, (lo + 9, lo + 7, hi - 60))
+    zps = (lo + 9, lo + 7 if zy == "clamp" else lo, hi - 60)
+    path, src = _pointwise_chain(tmp_path, dtype, 13, "symmetric", (32, 76, 32, 6), hw, zps)
+    assert ("uqxtn v" in src) == (zy == "bottom")
     assert src.count("[qconv2d_gemm neon smull 4x16 wide ") == 2 and src.count("[qconv2d_gemm neon smull 4x4 ") == 1
     assert src.count("\"b.ne 1b\\n\\t\"") == (2 if hw[0] * hw[1] % 16 else 1)    # K = 76: full and last panel
-    if hw == (5, 25):         # on 2 threads: panels 0-3 and 4-7 (the last one, 13 columns)
+    if hw == (5, 25) and zy == "clamp":       # on 2 threads: panels 0-3 and 4-7 (the last, 13 columns)
         res = flow.run(path, "rpi4", outdir=tmp_path / "t", quiet=True, latency=False, emulate=True, threads=2)
         assert res["exact_reference"]["identical"] and res["outputs_match"], res
         src = (tmp_path / "t" / "td_kernels.c").read_text()
