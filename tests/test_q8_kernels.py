@@ -42,15 +42,19 @@ def _chain_layers(dtype, seed, weights):
     range; "symmetric" in [-127, 127] (as symmetric quantisers make them: Cortex-A72's SMULL-pair
     kernels apply); "with-128" the same with one -128 in every convolution (its SMLAL fallback);
     "small" in [-63, 63] (the 4 x 3 SMULL tile's int16 sums over two k-groups apply); "spread"
-    in [-20, 20] but +-127 at k = 0 and 8 (they apply to 1x1 layers in another order of K)."""
+    in [-20, 20] but +-127 at k = 0 and 8 (they apply to 1x1 layers in another order of K);
+    "spread-wide" the same at k = 0 and 2 (the wide tile's int16 sums, in another order of K)."""
     b = QDQ(seed)
 
     def wts(shape, ws, zp=0, axis=None):
         if weights == "random":
             return b.weights(shape, np.int8, ws, zp, axis=axis)
-        wq = b.rng.integers(*{"small": (-63, 64), "spread": (-20, 21)}.get(weights, (-127, 128)), shape).astype(np.int8)
+        wq = b.rng.integers(*{"small": (-63, 64), "spread": (-20, 21), "spread-wide": (-20, 21)}.get(weights, (-127, 128)),
+                            shape).astype(np.int8)
         if weights == "spread" and wq[0].size > 8:    # k = 0 and 8 share a lane: |w| summing to 254
             wq.reshape(shape[0], -1)[:, [0, 8]] = [127, -127]
+        if weights == "spread-wide" and wq[0].size > 8:   # the same for the wide tile's lanes: k = 0 and 2
+            wq.reshape(shape[0], -1)[:, [0, 2]] = [127, -127]
         if weights == "with-128":
             wq.flat[wq.size // 2] = -128
         return b.dq(b.const(wq), ws, zp, np.int8, axis)
@@ -312,6 +316,25 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
     assert src.count("[qconv2d_gemm neon smull ") == 1 and src.count("[qconv2d_gemm neon ") == 2    # one of each
 
 
+def _pointwise_chain(tmp_path, dtype, seed, weights, chans, hw, zps):
+    """Three 1x1 layers chans[0] -> chans[1] (Relu) -> chans[2] -> chans[3] over hw pixels, the
+    input and the two inner outputs at zero points zps, run on rpi4 under qemu-aarch64 with two
+    input seeds, bit for bit against the exact reference: (model path, td_kernels.c)."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    hi = qrange(dtype)[1]
+    b, conv, requant, _ = _chain_layers(dtype, seed, weights)
+    c0, c1, c2, c3 = chans
+    x, xs = requant(conv(b.dq("x", 0.05, zps[0], dtype), 0.05, c0, c1, (1, 1), act="relu"), 0.04, zps[1])
+    x, xs = requant(conv(x, xs, c1, c2, (1, 1)), 0.05, zps[2])
+    y = conv(x, xs, c2, c3, (1, 1))
+    path = save(b.model([("x", dtype, [1, c0, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
+    for s in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=s)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    return path, (tmp_path / "b" / "td_kernels.c").read_text()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["symmetric", "small", "spread"])
 @pytest.mark.parametrize("hw", [(3, 3), (1, 5), (6, 6)])
@@ -320,25 +343,18 @@ def test_aarch64_smull_asm_tile_bit_exact(hw, weights, dtype, tmp_path):
     layers with K = 32 (2 k-groups, unrolled) and K = 176 (11 k-groups: the loop), 176 and 6
     output channels (rows past M), over 3x3 pixels (9 columns: 4 x 3 tiles, 3 whole panels),
     1x5 (4 x 3 tiles, a short last panel) and 6x6 (36 columns: 4 x 3 panels packed 16 columns at
-    a time); weights within [-63, 63] take the int16 sums over
+    a time, K = 32 a wide tile); weights within [-63, 63] take the int16 sums over
     two k-groups (quad: K = 32 one pair, K = 176 one k-group then a loop of 5 pairs); weights
     with two heavy channels in one lane take it for K = 32 with K reordered (kp_), for K = 176
     in its order (11 k-groups: the heavy k-group 0 is summed alone); the same bits."""
-    require("aarch64-linux-gnu-gcc")
-    require("qemu-aarch64")
-    lo, hi = qrange(dtype)
-    b, conv, requant, _ = _chain_layers(dtype, 11, weights)
-    x, xs = requant(conv(b.dq("x", 0.05, lo + 5, dtype), 0.05, 32, 176, (1, 1), act="relu"), 0.04, lo)
-    x, xs = requant(conv(x, xs, 176, 6, (1, 1)), 0.05, lo + 100)
-    y = conv(x, xs, 6, 9, (1, 1))
-    path = save(b.model([("x", dtype, [1, 32, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
-    for seed in (0, 1):
-        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
-        assert res["exact_reference"]["identical"] and res["outputs_match"], res
-    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    lo, _ = qrange(dtype)
+    _, src = _pointwise_chain(tmp_path, dtype, 11, weights, (32, 176, 6, 9), hw, (lo + 5, lo, lo + 100))
     assert src.count("\"b.ne 1b\\n\\t\"") == 1    # K = 176
     if hw == (6, 6):          # 36 columns: 4 x 3 only with quad and K = 176 (panels of 16 columns packed)
         assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == (weights != "symmetric")
+        # K = 32 (4 x 3 quad would cost more): the wide tile, two steps summed in int16 where it may
+        assert src.count(" 4x16 wide kc ") + src.count(" 4x12 wide quad kc ") == 1
+        assert src.count(" 4x12 wide quad kc ") == (weights != "symmetric")
         return
     assert src.count("[qconv2d_gemm neon smull 4x3 ") == 2
     assert src.count("[qconv2d_gemm neon smull 4x3 quad ") == {"symmetric": 0, "small": 2, "spread": 2}[weights]
@@ -361,6 +377,76 @@ def test_aarch64_im2col_planes_shapes_bit_exact(case, tmp_path, monkeypatch):
             res = flow.run(path, board, outdir=tmp_path / board, quiet=True, latency=False, emulate=True)
             assert res["exact_reference"]["identical"] and res["outputs_match"], (case, dtype, board, res)
             assert " im2col planes] " in (tmp_path / board / "td_kernels.c").read_text()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zy", ["clamp", "bottom"])
+@pytest.mark.parametrize("hw", [(4, 4), (4, 5), (2, 19), (5, 25)])
+def test_aarch64_smull_wide_tile_bit_exact(hw, zy, dtype, tmp_path):
+    """Cortex-A72's wide SMULL-pairs tile (4 rows x 16 columns, the columns in the int32 lanes;
+    schedule/q8.py smull_wide) on 1x1 layers: K = 32 (8 steps of 4 k, unrolled) under a Relu
+    (the clamp), K = 76 (19 steps: one, then a loop of pairs) with its output zero point far
+    from the middle; 16 columns (one full panel), 20 (a last panel of 4 columns), 38 (6) and 125
+    (13: 8 + 4 + 1 bytes stored a row); 76 and 32 output channels; 6 channels (rows past M) keep
+    the 4 x 4 tile. The first layer's output zero point 7 above the bottom of its range (the Relu
+    clamps) or at the bottom (no clamp: the unsigned saturation, moved by 128 for int8). int8 and
+    uint8 activations (flipped into signed bytes); 125 columns also on two threads (each packs
+    and multiplies its own panels); the same bits."""
+    lo, hi = qrange(dtype)
+    zps = (lo + 9, lo + 7 if zy == "clamp" else lo, hi - 60)
+    path, src = _pointwise_chain(tmp_path, dtype, 13, "symmetric", (32, 76, 32, 6), hw, zps)
+    assert ("uqxtn v" in src) == (zy == "bottom")
+    assert src.count("[qconv2d_gemm neon smull 4x16 wide ") == 2 and src.count("[qconv2d_gemm neon smull 4x4 ") == 1
+    assert src.count("\"b.ne 1b\\n\\t\"") == (2 if hw[0] * hw[1] % 16 else 1)    # K = 76: full and last panel
+    if hw == (5, 25) and zy == "clamp":       # on 2 threads: panels 0-3 and 4-7 (the last, 13 columns)
+        res = flow.run(path, "rpi4", outdir=tmp_path / "t", quiet=True, latency=False, emulate=True, threads=2)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        src = (tmp_path / "t" / "td_kernels.c").read_text()
+        assert src.count(" wide kc 32 nc 64 direct threads 2]") == 1 and "omp parallel" in src
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", ["symmetric", "small", "spread-wide"])
+@pytest.mark.parametrize("hw", [(2, 6), (6, 6)])
+def test_aarch64_smull_wide_quad_bit_exact(hw, weights, dtype, tmp_path):
+    """The wide tile over 12-column panels summing two steps' products in int16 (quad; schedule/
+    q8.py smull_wide_quad) on 1x1 layers of 12 and 36 columns: K = 32 (4 step pairs, unrolled)
+    and K = 136 (17 pairs: one, then a loop of two); weights within [-63, 63] in their order, two
+    heavy channels in one lane in another order of K (kp_); symmetric weights keep the 4 x 16
+    wide tile (36 columns) or the 4 x 4 one (12). 36 columns also on two threads (3 panels: 2 and 1). The same bits."""
+    lo, hi = qrange(dtype)
+    path, src = _pointwise_chain(tmp_path, dtype, 17, weights, (32, 136, 16, 6), hw, (lo + 3, lo + 11, hi - 40))
+    quad = weights != "symmetric"
+    assert src.count("[qconv2d_gemm neon smull 4x12 wide quad ") == (2 if quad else 0)
+    assert src.count("[qconv2d_gemm neon smull 4x16 wide ") == (0 if quad or hw == (2, 6) else 2)    # 16 columns or more
+    assert ("kp_[" in src) == (weights == "spread-wide")
+    assert src.count("\"b.ne 1b\\n\\t\"") == (1 if quad else 1 + (hw == (6, 6)))    # K = 136
+    if hw == (6, 6) and weights == "small":
+        res = flow.run(path, "rpi4", outdir=tmp_path / "t", quiet=True, latency=False, emulate=True, threads=2)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+        assert "omp parallel" in (tmp_path / "t" / "td_kernels.c").read_text()
+
+
+def test_smull_wide_choice():
+    """The wide tile where its model counts fewer instructions than the 4 x 4 / 4 x 3 tiles: KWS's
+    pointwise layers (125 columns, K = 64), VWW's 24x24, 12x12 and 6x6 ones with K = 32, 64; not
+    VWW's quad 4 x 3 layers (36 columns, K = 128), nor under 16 columns or K not a multiple of 4;
+    the wide quad tile (smull_wide_quad_pays) on 12-column panels, within the 255/256 bound."""
+    from tinydeploy.schedule import q8
+    assert q8.smull_wide(125, 64, 4, False) and q8.smull_wide(576, 32, 4, False)
+    assert q8.smull_wide(144, 64, 4, False) and q8.smull_wide(36, 64, 4, False)
+    assert not q8.smull_wide(36, 128, 3, True) and not q8.smull_wide(9, 256, 3, True)
+    assert not q8.smull_wide(16, 34, 4, False)
+    # two steps summed in int16: VWW's 6x6 layers with K = 128 (not 125 columns, nor K = 36)
+    assert q8.smull_wide_quad_pays(36, 128, 3, True) and q8.smull_wide_quad_pays(36, 64, 4, False)
+    assert not q8.smull_wide_quad_pays(125, 64, 4, False) and not q8.smull_wide_quad_pays(36, 36, 4, False)
+    w = np.zeros((3, 16), np.int64)
+    w[2, [1, 3, 5, 7]] = [127, -127, 1, 0]                # lane 1 of steps 0 and 1: 255
+    assert q8.smull_wide_quad(w)
+    w[2, 7] = -1                                          # 256
+    assert not q8.smull_wide_quad(w) and not q8.smull_wide_quad(w[:, :12])
+    perm = q8.smull_quad_order(w, wide=True)              # k = 7 moved to the next step pair's lanes
+    assert perm is not None and sorted(perm) == list(range(16)) and q8.smull_wide_quad(w[:, perm])
 
 
 def test_smull_quad_bound():

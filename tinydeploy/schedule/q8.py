@@ -21,7 +21,14 @@ descriptor says how it multiplies exactly:
         those into int32 (SADALP); activations and bias as for dot (signed). Where K is unsplit
         over 2 k-groups or more the tile is inline assembly, 4 x 4 or 4 x 3 (smull_cols); "quad"
         4 x 3 tiles sum two k-groups' products in int16 before SADALP where the weights prove
-        it (smull_quad; 1x1 layers also in another order of K, smull_quad_order).
+        it (smull_quad; 1x1 layers also in another order of K, smull_quad_order). 1x1 layers
+        with 16 columns or more take the "wide" 4 x 16 tile where it counts fewer instructions
+        (smull_wide): the same SMULL + SMLAL2 + SADALP on steps of 4 k, the weights replicated
+        at build time so that an int32 lane is one output column (no reduction across lanes),
+        requantised and stored a row of 16 bytes at a time inside the assembly; over panels of 12
+        columns with two steps summed in int16 where the weights prove it (smull_wide_quad, K
+        possibly reordered: smull_quad_order(wide=True)) and it counts fewer instructions
+        (smull_wide_quad_pays: VWW's 6x6 layers).
 
 Kernels (templates firmware_templates/kernels/qconv2d_gemm.c.j2, qconv2d_dw.c.j2,
 qdense_packed.c.j2; the ISA pieces in _q8.j2):
@@ -217,9 +224,19 @@ def smull_quad(w: np.ndarray, kgn: int) -> bool:
     return 128 * int(pairs.max()) <= 32767
 
 
-def smull_quad_order(w: np.ndarray, tries: int = 4000) -> np.ndarray | None:
+def smull_wide_quad(w: np.ndarray) -> bool:
+    """Whether the wide tile may sum two steps' products in int16 before SADALP (K a multiple of
+    8): an int16 lane of row r then gathers k = 8 p + j + 2 t (t = 0..3, j = 0, 1), which must
+    hold |w| summing to at most 255, as for smull_quad. w: [M][K] int8 weights."""
+    if not w.size or w.shape[1] % 8:
+        return False
+    lanes = np.abs(np.asarray(w, np.int64)).reshape(len(w), -1, 4, 2).sum(axis=2)
+    return 128 * int(lanes.max()) <= 32767
+
+
+def smull_quad_order(w: np.ndarray, tries: int = 4000, wide: bool = False) -> np.ndarray | None:
     """An order of K (K a multiple of 32, a 1x1 layer: B's rows are the input channels, read in
-    this order) under which smull_quad holds, or None: the channels dealt into the K/4 lane
+    this order) under which smull_quad holds (wide: K a multiple of 8, smull_wide_quad), or None: the channels dealt into the K/4 lane
     quads (4 positions an int16 lane sums) largest |w| first, then swaps between quads that
     lower the excess over 255 (summed over rows and quads), from a fixed seed (the same order for
     the same weights). VWW's 128-channel layers 15, 17 and its 32-channel layer 7 find one, KWS's
@@ -253,10 +270,44 @@ def smull_quad_order(w: np.ndarray, tries: int = 4000) -> np.ndarray | None:
     if over:
         return None
     perm = np.zeros(k, np.int64)             # quad (pair i, lane j) -> k-positions 32 i + j + 8 t
-    for qd in range(nq):
-        i, j = divmod(qd, 8)
-        perm[32 * i + j + 8 * np.arange(4)] = g[qd]
+    for qd in range(nq):                     # (wide: step pair i, lane j -> 8 i + j + 2 t)
+        i, j = divmod(qd, 2 if wide else 8)
+        perm[(8 if wide else 32) * i + j + (2 if wide else 8) * np.arange(4)] = g[qd]
+    if wide:
+        return perm if smull_wide_quad(a[:, perm]) else None
     return perm if smull_quad(a[:, perm], k // 16) else None
+
+
+def smull_wide(cols: int, kk: int, nr: int, quad: bool) -> bool:
+    """Whether a 1x1 layer (one group, whole 4-row panels, K a multiple of 4, 16 columns or more)
+    takes the wide SMULL tile (4 rows x 16 columns, columns in the int32 lanes: _q8.j2
+    gemm_tile_wide_asm) rather than the 4 x nr tile (quad or not), by the exact counts' model per
+    4-row panel: the wide tile 50 instructions per step of 4 k over a full panel of 16 columns
+    plus about 100 (requantisation and stores), 2 + 12 per column group of the last panel's
+    steps plus 30 a group; the 4 x nr tile as smull_cols."""
+    if cols < 16 or kk % 4:
+        return False
+    ks, kgn = kk // 4, -(-kk // 16)
+    full, rem = divmod(cols, 16)
+    nbt = -(-rem // 4)
+    wide = full * (ks * 50 + 100) + (ks * (2 + 12 * nbt) + 30 * nbt if rem else 0)
+    per = kgn * (52 if nr == 4 else 32 if quad else 38) + 64
+    return wide < -(-cols // nr) * per
+
+
+def smull_wide_quad_pays(cols: int, kk: int, nr: int, quad: bool) -> bool:
+    """Whether the wide tile over 12-column panels with two steps summed in int16 (smull_wide_quad:
+    64 instructions per 8 k of a panel plus about 90) counts fewer instructions than the 4 x nr
+    tile (smull_cols' model) and the wide tile without it (smull_wide's): VWW's 128-channel 6x6
+    layers, its 24x24 layer 7 (exact instructions on rpi4: 148,228 -> 136,558). Panels of 12 whole
+    columns, packed by an unrolled loop (up to 640 columns, 40 vectors of 16)."""
+    if cols % 12 or cols > 640 or kk % 8:
+        return False
+    wq = cols // 12 * (kk // 8 * 64 + 90)
+    full, rem = divmod(cols, 16)
+    nbt = -(-rem // 4)
+    wide = full * (kk // 4 * 50 + 100) + (kk // 4 * (2 + 12 * nbt) + 30 * nbt if rem else 0)
+    return wq < min(wide, -(-cols // nr) * (-(-kk // 16) * (52 if nr == 4 else 32 if quad else 38) + 64))
 
 
 def _tag(q: Q8) -> str:
@@ -293,7 +344,7 @@ def fit_gemm(k: Kernel, room: int) -> bool:
     not change, only how many columns wait in scratch. Threaded layers, and ISAs without a measured floor, keep their blocks (False)."""
     p = k.params
     floor = get_isa(p["q8_isa"]).q8.fit_cols if k.family == "qconv2d_gemm" else 0
-    if not floor or p.get("THREADS", 1) > 1:
+    if not floor or p.get("THREADS", 1) > 1 or p.get("WIDE"):
         return False
     full = p["NC_MAX"]
     nr = p["NR"]
@@ -345,6 +396,22 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
             kperm = None
         elif kperm is not None:
             w = w[:, kperm]           # packed k-position i holds input channel kperm[i]
+    elig = (q.flavour == "smull" and direct and G == 1 and mg % 4 == 0 and kgn >= 2 and mr == 4
+            and not os.environ.get("TINYDEPLOY_TILE"))
+    wquad, wperm = False, None
+    if elig and smull_wide_quad_pays(cols, kk, nr, quad):
+        w0 = _conv_weights(g, k)
+        wquad = smull_wide_quad(w0)
+        if not wquad:
+            wperm = smull_quad_order(w0, wide=True)
+            wquad = wperm is not None
+    wide = elig and (wquad or smull_wide(cols, kk, nr, quad))
+    if wide:                  # the wide tile: K in its order, B packed once, 16 columns a panel
+        quad, kperm, nr, w = False, None, 16, _conv_weights(g, k)
+    if wquad:                 # ... or 12, two steps summed in int16 (K in another order where needed)
+        quad, kperm, nr = True, wperm, 12
+        if kperm is not None:
+            w = w[:, kperm]
     mp = _round_up(mg, mr)
     # All of K in one block where a panel of NR columns over all of K fits in half of L2: measured
     # on an AVX2 host, the ResNet-50 (uint8) layers split in K (int32 partial sums kept between the
@@ -363,19 +430,24 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     wp = wp.reshape(G, mp // mr, mr, kgn, kg).transpose(0, 1, 3, 2, 4)    # [G][MP/MR][KGN][MR][KG]
     consts = {}
     wdat = wp.astype(np.int8) if q.flavour == "smull" else group_words(wp, q.flavour)
+    if wide:                  # [MP/4][K/4][4 rows][16]: w[k0], w[k1] four times, then w[k2], w[k3]
+        kcg, blocks, nc = kgn, 1, _round_up(cols, nr)
+        w4 = np.zeros((mp, kk // 4, 2, 4, 2), np.int64)
+        w4[:mg] = w.reshape(mg, kk // 4, 2, 1, 2)
+        wdat = w4.reshape(mp // 4, 4, kk // 4, 16).transpose(0, 2, 1, 3).astype(np.int8)
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], mg, mp)
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
              NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
              ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes, QUAD=quad,
-             KPERM=[int(v) for v in kperm] if kperm is not None else [])
+             KPERM=[int(v) for v in kperm] if kperm is not None else [], WIDE=wide, KS=kk // 4)
     if p["PLANES"]:           # the padded planes of a group's channels, one per stride phase
         hp, wp, phases, offs = dw_geometry(p)
         p.update(PHP=hp, PWP=wp, PPH=phases, POFFS=offs, PPLS=len(phases) * hp * wp)
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     how = "direct" if direct else "im2col planes" if p["PLANES"] else "im2col"
-    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr}{' quad' if quad else ''} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr}{' wide' if wide else ''}{' quad' if quad else ''} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
 
