@@ -515,6 +515,62 @@ def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
     assert ("in assembly: the accumulators v0-v3" in src) == (board == "jetson-orin")
 
 
+def dw_lanes_model(dtype, weights, zx="lo", c=19):
+    """Depthwise layers for the lanes form (16 channels in the vector lanes): c channels (19: a
+    block and a tail of 3; 33: two blocks and one channel), a 9x13 plane padded on every side with
+    Relu, stride 2 padded below and right to 4x6 (odd sizes), stride 2 padded all round to 2x3
+    (6 outputs, under half a vector), a 2x2 window padded above and left, a 3x1 and a 1x4 window,
+    PL = 2, and a 1x1 window: planes and windows of every size down to one pixel."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 23, weights)
+    x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
+    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, hi)     # 9x13
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (0, 0, 1, 1), group=c), 0.03, lo)            # 4x6
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c, act="relu"), 0.02, lo + 1)   # 2x3
+    x, xs = requant(conv(x, xs, c, c, (2, 2), pads=(1, 1, 0, 0), group=c), 0.02, hi - 1)          # 2x3
+    x, xs = requant(conv(x, xs, c, c, (3, 1), pads=(1, 0, 1, 0), group=c), 0.01, (lo + hi) // 2)
+    x, xs = requant(conv(x, xs, c, c, (1, 4), pads=(0, 2, 0, 1), group=c), 0.01, lo + 5)          # PL = 2
+    y = conv(x, xs, c, c, (1, 1), group=c)
+    return b.model([("x", dtype, [1, c, 9, 13])], [(b.q(y, 0.05, 0, dtype), dtype)])
+
+
+def dw_lanes_small_model(dtype, weights, zx="lo"):
+    """The lanes form on planes of 3x3, 2x2 and 1x1 (20 channels): 3x3 padded (9 pixels: loads
+    that would run past the input come from a copy), stride 2 to 2x2, a 2x2 window to 1x1, then a
+    padded 3x3 window over one pixel (its only tap inside the image)."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 29, weights)
+    c = 20
+    x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
+    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)     # 3x3
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c), 0.03, hi)            # 2x2
+    x, xs = requant(conv(x, xs, c, c, (2, 2), group=c), 0.02, 0)                                    # 1x1
+    y = conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c)
+    return b.model([("x", dtype, [1, c, 3, 3])], [(b.q(y, 0.05, 0, dtype), dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", ["lanes-19", "lanes-33", "small", "dw", "windows", "s2"])
+def test_aarch64_dw_lanes_bit_exact(model, dtype, tmp_path, monkeypatch):
+    """Cortex-A72's lanes form of the SMULL-pair depthwise kernel (schedule/q8.py dw_lanes), forced
+    on every layer it takes, bit for bit: the shapes of dw_lanes_model and dw_lanes_small_model,
+    and those of the planes' tests (7, 6 and 5 channels: one block of idle lanes; their 5x5
+    windows keep the planes), input zero points at both ends of their range."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
+    make = {"lanes-19": lambda d, z: dw_lanes_model(d, "symmetric", z, 19),
+            "lanes-33": lambda d, z: dw_lanes_model(d, "symmetric", z, 33),
+            "small": lambda d, z: dw_lanes_small_model(d, "symmetric", z),
+            "dw": lambda d, z: dw_model(d, "symmetric", z),
+            "windows": lambda d, z: dw_windows_model(d, "symmetric"),
+            "s2": lambda d, z: dw_s2_model(d, "symmetric")}[model]
+    layers = {"lanes-19": 7, "lanes-33": 7, "small": 4, "dw": 5, "windows": 5, "s2": 3}[model]
+    for zx in (("lo", "hi") if model in ("lanes-19", "small") else ("lo",)):
+        src = _dw_exact(make(dtype, zx), "rpi4", tmp_path)
+        assert src.count("[qconv2d_dw neon smull lanes ") == layers
+    if model == "lanes-33":                    # two blocks whose taps group differently
+        assert "the blocks whose taps group as" in src
+
+
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
 # a shift above 32); broadcasting keeps the reference. "int32": the int32-lane form, whose
 # constants every input pair was tried with at build time (quant.params.qadd_int32; ties to even

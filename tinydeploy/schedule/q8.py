@@ -567,6 +567,141 @@ def dw_groups(w: np.ndarray) -> list[list[int]]:
     return [best[1]] + [rest[i:i + 2] for i in range(0, len(rest), 2)]
 
 
+def _int16_safe(w: np.ndarray) -> np.ndarray:
+    """[2^T] bool: whether the taps of each subset (bit t: tap t) may sum their int8 products in
+    int16 for every channel of w ([C][T] int8 weights, no -128) and every input byte (signed,
+    |v| <= 128): 127 P + 128 N <= 32767 and 128 P + 127 N <= 32768, P and N the sums of the
+    subset's positive weights and of the negatives' magnitudes (the bound of dw_groups)."""
+    taps = w.shape[1]
+    pos, neg = np.maximum(w, 0), np.maximum(-w, 0)
+    ok = np.zeros(1 << taps, bool)
+    for m in range(1, 1 << taps):
+        sel = [t for t in range(taps) if m >> t & 1]
+        ps, ns = pos[:, sel].sum(1), neg[:, sel].sum(1)
+        ok[m] = bool(np.all(127 * ps + 128 * ns <= 32767) and np.all(128 * ps + 127 * ns <= 32768))
+    return ok
+
+
+def dw_partition(w: np.ndarray) -> list[list[int]]:
+    """The fewest groups of taps whose int8 products may be summed in int16 (_int16_safe) for every
+    channel of w ([C][T], T <= 9): an exact search over the subsets (the least group count; among
+    equals the first in the order of the subsets' bit masks, so the same weights give the same
+    groups)."""
+    taps = w.shape[1]
+    ok = _int16_safe(w)
+    full = (1 << taps) - 1
+    best: dict[int, tuple[int, int]] = {0: (0, 0)}          # mask -> (groups, first group's mask)
+    for m in range(1, full + 1):
+        low = m & -m
+        rest = m ^ low
+        sub, choice = rest, None
+        while True:                                          # every subset of rest, with low
+            grp = sub | low
+            if ok[grp]:
+                cand = best[m ^ grp][0] + 1
+                if choice is None or cand < choice[0]:
+                    choice = (cand, grp)
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        best[m] = choice
+    groups, m = [], full
+    while m:
+        grp = best[m][1]
+        groups.append([t for t in range(taps) if grp >> t & 1])
+        m ^= grp
+    return groups
+
+
+LANES_MAX_TAPS = 9      # the lanes form keeps a weight register per tap
+
+
+def dw_lanes(p: dict, w: np.ndarray) -> dict | None:
+    """The SMULL-pair depthwise kernel's lanes form (NEON, int8 weights without -128, windows of up
+    to LANES_MAX_TAPS taps, up to 4 wide, undilated), or None: 16 channels in the lanes of a vector, each tap of an output
+    pixel one SMULL / SMULL2 pair (SMLAL for the group's further taps) over the 16 channels'
+    input bytes at the tap's pixel. A block of 16 channels is transposed from its planes into
+    a channel-interleaved plane ([pixel][16] bytes, the image rows W pixels wide, PT rows of the
+    input zero point above and the rows the windows read below), then every output pixel is
+    computed in turn (taps left or right of the row take a register of the zero point), and the
+    [pixel][16] outputs are transposed back into the 16 output planes. Per block its own groups
+    of taps summed in int16 (dw_partition over its 16 channels; the last block's lanes past C
+    have weight 0). Returns the plan: blocks, their groups (BGROUPS: distinct partitions, BKIND:
+    which each block takes), the column segments of the output rows (ox0, ox1, valid kx), the
+    buffer's geometry."""
+    taps = p["KH"] * p["KW"]
+    if (taps > LANES_MAX_TAPS or p["KW"] > 4 or p["DH"] != 1 or p["DW"] != 1 or p["C"] != p["M"] or not w.size
+            or int(w.min()) <= -128):
+        return None
+    c, nb = p["C"], -(-p["C"] // 16)
+    kinds: list[list[list[int]]] = []
+    bkind = []
+    for b in range(nb):
+        wb = w[16 * b:16 * b + 16]
+        best = dw_partition(wb)
+        ok = _int16_safe(wb)
+        reuse = [i for i, gs in enumerate(kinds)
+                 if len(gs) == len(best) and all(ok[sum(1 << t for t in grp)] for grp in gs)]
+        if reuse:
+            bkind.append(reuse[0])
+        else:
+            kinds.append(best)
+            bkind.append(len(kinds) - 1)
+    segs: list[list] = []
+    for ox in range(p["OW"]):
+        valid = [kx for kx in range(p["KW"]) if 0 <= ox * p["SW"] + kx * p["DW"] - p["PL"] < p["W"]]
+        if segs and segs[-1][2] == valid and segs[-1][1] == ox:
+            segs[-1][1] = ox + 1
+        else:
+            segs.append([ox, ox + 1, valid])
+    hw, ohw = p["H"] * p["W"], p["OH"] * p["OW"]
+    below = max(0, (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] - p["PT"] - p["H"] + 1)
+    base = p["PT"] * p["W"]                                  # the image's first pixel in the buffer
+    npix = base + hw + below * p["W"] + 4                    # (+ the stores of a last quad of pixels)
+    return {"NB": nb, "CT": c - 16 * (nb - 1), "BKIND": bkind, "BGROUPS": kinds, "SEGS": segs,
+            "HW": hw, "OHW": ohw, "BASE": base, "NPIX": npix, "BELOW": below,
+            "OBPIX": max(ohw, 16), "ZNEED": any(len(v) < p["KW"] for _, _, v in segs)}
+
+
+def _lanes_cheaper(p: dict, lanes: dict, groups: int) -> bool:
+    """Whether the lanes form is estimated to take fewer instructions than the planes (rpi4's
+    exact counts: per 16 outputs 3 T + 4 G + 24 on planes, KH + 2 T + 4 G + 24 in lanes, plus
+    per channel about 150 for a plane, per block and 16 pixels about 45 for each transpose)."""
+    taps = p["KH"] * p["KW"]
+    hp, wp, _, _ = dw_geometry(p)
+    planes = p["C"] * (-(-p["OH"] * wp // 16) * (3 * taps + 4 * groups + 24) + 150)
+    g = max(len(gs) for gs in lanes["BGROUPS"])
+    per_block = (lanes["OHW"] * (p["KH"] + 2 * taps + 4 * g + 24)
+                 + 45 * (-(-lanes["HW"] // 16) + -(-lanes["OHW"] // 16)) + 100)
+    return lanes["NB"] * per_block < planes
+
+
+def _select_dw_lanes(g: ir.Graph, step: int, k: Kernel, isa: str, q: Q8, w: np.ndarray, ln: dict) -> Kernel:
+    """The lanes form of the SMULL-pair depthwise kernel (dw_lanes): weights [NB][T][16] int8,
+    bias and requantisation scale per channel, 16 to a block; scratch: the [pixel][16] outputs,
+    256 bytes for the transposes, a copy of the last block's planes where a plane is shorter
+    than a vector (its 16-byte loads would run past the input), the interleaved plane."""
+    p = dict(k.params)
+    taps, nb = p["KH"] * p["KW"], ln["NB"]
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    wt = np.zeros((nb * 16, taps), np.int64)
+    wt[:p["C"]] = w
+    consts = {}
+    wdat = wt.reshape(nb, 16, taps).transpose(0, 2, 1).astype(np.int8)
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
+    bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], nb * 16)
+    tb = ln["OBPIX"] * 16
+    guard = _round_up(16 * ln["HW"] + 16, 16) if ln["HW"] < 16 else 0
+    ln.update(TB=tb, GD=tb + 256, BUF=tb + 256 + guard)
+    p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, DWL=ln, TAPS=taps, ZXL=zx_loop)
+    scratch = ln["BUF"] + 16 * ln["NPIX"]
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    kinds = len(ln["BGROUPS"])
+    desc = (f"[qconv2d_dw {isa}{_tag(q)} lanes {nb} x 16 channels, {kinds} tap grouping{'s' if kinds > 1 else ''}] "
+            f"{k.desc}")
+    return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts, scratch_dtype="int32")
+
+
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
@@ -585,6 +720,11 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     lanes = 4 * q.lanes if q.flavour in ("mlal", "dot") else 2 * q.lanes
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     w = _conv_weights(g, k)                                   # [C][taps]
+    form = os.environ.get("TINYDEPLOY_DW_FORM", "")           # lanes | planes (tests, experiments)
+    pq = _pairs(q, k, w) if q.flavour == "mlal" and form != "planes" else None
+    ln = dw_lanes(p, w) if pq is not None else None
+    if ln is not None and (form == "lanes" or (p["C"] >= 16 and _lanes_cheaper(p, ln, len(dw_groups(w))))):
+        return _select_dw_lanes(g, step, k, isa, pq, w, ln)
     if q.flavour == "mlal" and _round_up(p["OH"] * wp, lanes) > lanes:
         q = _pairs(q, k, w) or q    # int8 weights without -128: SMULL pairs on byte planes (but for one vector a channel)
     rows = dw_rows(p, q.flavour)
