@@ -618,35 +618,42 @@ LANES_MAX_TAPS = 9      # the lanes form keeps a weight register per tap
 
 def dw_lanes(p: dict, w: np.ndarray) -> dict | None:
     """The SMULL-pair depthwise kernel's lanes form (NEON, int8 weights without -128, windows of up
-    to LANES_MAX_TAPS taps, up to 4 wide, undilated), or None: 16 channels in the lanes of a vector, each tap of an output
-    pixel one SMULL / SMULL2 pair (SMLAL for the group's further taps) over the 16 channels'
+    to LANES_MAX_TAPS taps, up to 4 wide, undilated), or None: 16 channels in the lanes of a
+    vector, each tap of an output pixel one SMULL / SMULL2 pair (SMLAL for the group's further taps) over the 16 channels'
     input bytes at the tap's pixel. A block of 16 channels is transposed from its planes into
     a channel-interleaved plane ([pixel][16] bytes, the image rows W pixels wide, PT rows of the
     input zero point above and the rows the windows read below), then every output pixel is
     computed in turn (taps left or right of the row take a register of the zero point), and the
-    [pixel][16] outputs are transposed back into the 16 output planes. Per block its own groups
-    of taps summed in int16 (dw_partition over its 16 channels; the last block's lanes past C
-    have weight 0). Returns the plan: blocks, their groups (BGROUPS: distinct partitions, BKIND:
-    which each block takes), the column segments of the output rows (ox0, ox1, valid kx), the
+    [pixel][16] outputs are transposed back into the 16 output planes. Each half of a block (its
+    8 low channels, SMULL, and 8 high ones, SMULL2) has its own groups of taps summed in int16
+    (dw_partition over its channels, or groups already used with as few; the last block's lanes
+    past C have weight 0, a half without channels is not computed). Returns the plan: blocks,
+    their groups (BGROUPS: distinct (low, high) partitions, BKIND: which each block takes), the
+    column segments of the output rows (ox0, ox1, valid kx) and a row's steps (_lanes_row), the
     buffer's geometry."""
     taps = p["KH"] * p["KW"]
     if (taps > LANES_MAX_TAPS or p["KW"] > 4 or p["DH"] != 1 or p["DW"] != 1 or p["C"] != p["M"] or not w.size
             or int(w.min()) <= -128):
         return None
     c, nb = p["C"], -(-p["C"] // 16)
-    kinds: list[list[list[int]]] = []
-    bkind = []
+    kinds: list[tuple[list[list[int]], list[list[int]]]] = []
+    bkind, used = [], []
     for b in range(nb):
-        wb = w[16 * b:16 * b + 16]
-        best = dw_partition(wb)
-        ok = _int16_safe(wb)
-        reuse = [i for i, gs in enumerate(kinds)
-                 if len(gs) == len(best) and all(ok[sum(1 << t for t in grp)] for grp in gs)]
-        if reuse:
-            bkind.append(reuse[0])
-        else:
-            kinds.append(best)
-            bkind.append(len(kinds) - 1)
+        halves = []
+        for h in (0, 1):                      # the block's 8 low and 8 high channels
+            wh = w[16 * b + 8 * h:16 * b + 8 * h + 8]
+            if not len(wh):                   # no channel (the tail): nothing computed
+                halves.append([])
+                continue
+            best, ok = dw_partition(wh), _int16_safe(wh)
+            halves.append(next((gs for gs in used if len(gs) == len(best)
+                                and all(ok[sum(1 << t for t in grp)] for grp in gs)), best))
+            if halves[-1] is best:
+                used.append(best)
+        kind = (halves[0], halves[1])
+        if kind not in kinds:
+            kinds.append(kind)
+        bkind.append(kinds.index(kind))
     segs: list[list] = []
     for ox in range(p["OW"]):
         valid = [kx for kx in range(p["KW"]) if 0 <= ox * p["SW"] + kx * p["DW"] - p["PL"] < p["W"]]
@@ -655,12 +662,49 @@ def dw_lanes(p: dict, w: np.ndarray) -> dict | None:
         else:
             segs.append([ox, ox + 1, valid])
     hw, ohw = p["H"] * p["W"], p["OH"] * p["OW"]
+    row, k0 = _lanes_row(p, segs)
     below = max(0, (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] - p["PT"] - p["H"] + 1)
     base = p["PT"] * p["W"]                                  # the image's first pixel in the buffer
     npix = base + hw + below * p["W"] + 4                    # (+ the stores of a last quad of pixels)
     return {"NB": nb, "CT": c - 16 * (nb - 1), "BKIND": bkind, "BGROUPS": kinds, "SEGS": segs,
             "HW": hw, "OHW": ohw, "BASE": base, "NPIX": npix, "BELOW": below,
-            "OBPIX": max(ohw, 16), "ZNEED": any(len(v) < p["KW"] for _, _, v in segs)}
+            "OBPIX": max(ohw, 16), "ZNEED": any(len(v) < p["KW"] for _, _, v in segs), "ROW": row, "K0": k0}
+
+
+def _lanes_row(p: dict, segs: list) -> tuple[list[dict], int]:
+    """The lanes form's steps for one output row and where its row pointers start (K0: the first
+    pixel's first tap inside the row): pixels ({"op": "px", "valid": window columns inside the
+    row, "post": how the pointers step to the next pixel's first tap: "s" (16 SW bytes), the
+    LD1's size, "" (not at all), "add": bytes added apart}), segments of more than 4 alike
+    pixels as loops of two ({"op": "loop", "n": iterations, "body": two pixels}), pointer
+    adjustments after a loop ({"op": "adj", "d": bytes})."""
+    step = 16 * p["SW"]
+
+    def px(valid, delta):
+        item = {"op": "px", "valid": valid, "post": "", "add": 0}
+        if delta is None or delta == 0:
+            pass
+        elif delta == step and valid:
+            item["post"] = "s"
+        elif valid and delta == 16 * len(valid):
+            item["post"] = delta
+        else:
+            item["add"] = delta
+        return item
+    first = [v[0] if v else 0 for _, _, v in segs]
+    row = []
+    for i, (ox0, ox1, valid) in enumerate(segs):
+        end = 16 * (p["SW"] + first[i + 1] - first[i]) if i + 1 < len(segs) else None
+        n = ox1 - ox0
+        if n <= 4:
+            row += [px(valid, step if j < n - 1 else end) for j in range(n)]
+            continue
+        row.append({"op": "loop", "n": n // 2, "body": [px(valid, step), px(valid, step)]})
+        if n % 2:
+            row.append(px(valid, end))
+        elif end is not None and end != step:
+            row.append({"op": "adj", "d": end - step})
+    return row, first[0]
 
 
 def _lanes_cheaper(p: dict, lanes: dict, groups: int) -> bool:
@@ -670,8 +714,8 @@ def _lanes_cheaper(p: dict, lanes: dict, groups: int) -> bool:
     taps = p["KH"] * p["KW"]
     hp, wp, _, _ = dw_geometry(p)
     planes = p["C"] * (-(-p["OH"] * wp // 16) * (3 * taps + 4 * groups + 24) + 150)
-    g = max(len(gs) for gs in lanes["BGROUPS"])
-    per_block = (lanes["OHW"] * (p["KH"] + 2 * taps + 4 * g + 24)
+    g = max(len(lo) + len(hi) for lo, hi in lanes["BGROUPS"])
+    per_block = (lanes["OHW"] * (p["KH"] + 2 * taps + 2 * g + 24)
                  + 45 * (-(-lanes["HW"] // 16) + -(-lanes["OHW"] // 16)) + 100)
     return lanes["NB"] * per_block < planes
 
