@@ -520,18 +520,20 @@ def dw_lanes_model(dtype, weights, zx="lo", c=19):
     block and a tail of 3; 33: two blocks and one channel), a 9x13 plane padded on every side with
     Relu, stride 2 padded below and right to 4x6 (odd sizes), stride 2 padded all round to 2x3
     (6 outputs, under half a vector), a 2x2 window padded above and left, a 3x1 and a 1x4 window,
-    PL = 2, and a 1x1 window: planes and windows of every size down to one pixel."""
+    PL = 2, and a 1x1 window: planes and windows of every size down to one pixel. Zero points
+    keep every layer's outputs spread over their range (no layer saturates to a constant)."""
     lo, hi = qrange(dtype)
+    mid = (lo + hi) // 2
     b, conv, requant, _ = _chain_layers(dtype, 23, weights)
     x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
-    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, hi)     # 9x13
-    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (0, 0, 1, 1), group=c), 0.03, lo)            # 4x6
-    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c, act="relu"), 0.02, lo + 1)   # 2x3
-    x, xs = requant(conv(x, xs, c, c, (2, 2), pads=(1, 1, 0, 0), group=c), 0.02, hi - 1)          # 2x3
-    x, xs = requant(conv(x, xs, c, c, (3, 1), pads=(1, 0, 1, 0), group=c), 0.01, (lo + hi) // 2)
-    x, xs = requant(conv(x, xs, c, c, (1, 4), pads=(0, 2, 0, 1), group=c), 0.01, lo + 5)          # PL = 2
+    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)      # 9x13
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (0, 0, 1, 1), group=c), 0.006, mid + 20)      # 4x6
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c, act="relu"), 0.002, lo + 1)   # 2x3
+    x, xs = requant(conv(x, xs, c, c, (2, 2), pads=(1, 1, 0, 0), group=c), 6e-4, mid - 30)          # 2x3
+    x, xs = requant(conv(x, xs, c, c, (3, 1), pads=(1, 0, 1, 0), group=c), 3e-4, mid)
+    x, xs = requant(conv(x, xs, c, c, (1, 4), pads=(0, 2, 0, 1), group=c), 1e-4, mid + 3)          # PL = 2
     y = conv(x, xs, c, c, (1, 1), group=c)
-    return b.model([("x", dtype, [1, c, 9, 13])], [(b.q(y, 0.05, 0, dtype), dtype)])
+    return b.model([("x", dtype, [1, c, 9, 13])], [(b.q(y, 4e-5, mid, dtype), dtype)])
 
 
 def dw_lanes_small_model(dtype, weights, zx="lo"):
@@ -539,14 +541,29 @@ def dw_lanes_small_model(dtype, weights, zx="lo"):
     that would run past the input come from a copy), stride 2 to 2x2, a 2x2 window to 1x1, then a
     padded 3x3 window over one pixel (its only tap inside the image)."""
     lo, hi = qrange(dtype)
+    mid = (lo + hi) // 2
     b, conv, requant, _ = _chain_layers(dtype, 29, weights)
     c = 20
     x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
     x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)     # 3x3
-    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c), 0.03, hi)            # 2x2
-    x, xs = requant(conv(x, xs, c, c, (2, 2), group=c), 0.02, 0)                                    # 1x1
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c), 0.01, mid + 9)       # 2x2
+    x, xs = requant(conv(x, xs, c, c, (2, 2), group=c), 0.005, mid - 7)                           # 1x1
     y = conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c)
-    return b.model([("x", dtype, [1, c, 3, 3])], [(b.q(y, 0.05, 0, dtype), dtype)])
+    return b.model([("x", dtype, [1, c, 3, 3])], [(b.q(y, 0.002, mid, dtype), dtype)])
+
+
+def _spread(model, seed=0) -> int:
+    """Distinct values of the model's output on random inputs (onnxruntime, the graph's meaning):
+    a test chain whose layers saturate to a constant holds its kernels to nothing."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    i = sess.get_inputs()[0]
+    dt = np.uint8 if "uint8" in i.type else np.int8
+    lo, hi = np.iinfo(dt).min, np.iinfo(dt).max
+    x = np.random.default_rng(seed).integers(lo, hi + 1, i.shape).astype(dt)
+    return len(np.unique(sess.run(None, {i.name: x})[0]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -565,6 +582,8 @@ def test_aarch64_dw_lanes_bit_exact(model, dtype, tmp_path, monkeypatch):
             "s2": lambda d, z: dw_s2_model(d, "symmetric")}[model]
     layers = {"lanes-19": 7, "lanes-33": 7, "small": 4, "dw": 5, "windows": 5, "s2": 3}[model]
     for zx in (("lo", "hi") if model in ("lanes-19", "small") else ("lo",)):
+        if model in ("lanes-19", "lanes-33", "small"):
+            assert _spread(make(dtype, zx)) >= 16
         src = _dw_exact(make(dtype, zx), "rpi4", tmp_path)
         assert src.count("[qconv2d_dw neon smull lanes ") == layers
     if model == "lanes-33":                    # two blocks whose taps group differently
