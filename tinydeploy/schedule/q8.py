@@ -129,11 +129,16 @@ def _conv_weights(g: ir.Graph, k: Kernel) -> np.ndarray:
     return w.reshape(p["M"], -1)
 
 
+def _channel_bias(g, k, q, w_rows, zx_loop, tx) -> np.ndarray:
+    """bias_k per output channel (int64, unwrapped): b' - (zx_loop + off) * sum(w)."""
+    off, _ = act_offset(q, tx, zx_loop)
+    return k.tensor(k.args[2], g).data.astype(np.int64) - (zx_loop + off) * w_rows.sum(axis=1)
+
+
 def _channel_consts(g, k, consts, q, isa, w_rows, zx_loop, tx, rows_per_group, padded_rows):
     """bias_k (int32) and R (float32) per output channel, padded per group to `padded_rows`."""
-    off, _ = act_offset(q, tx, zx_loop)
     b = k.tensor(k.args[2], g).data.astype(np.int64)
-    bias = b - (zx_loop + off) * w_rows.sum(axis=1)
+    bias = _channel_bias(g, k, q, w_rows, zx_loop, tx)
     r = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
     groups = len(b) // rows_per_group
     bk = np.zeros((groups, padded_rows), np.int64)
@@ -661,14 +666,29 @@ def dw_lanes(p: dict, w: np.ndarray) -> dict | None:
             segs[-1][1] = ox + 1
         else:
             segs.append([ox, ox + 1, valid])
+    rsegs: list[list] = []                   # output rows alike: (oy0, oy1, window rows inside the image)
+    for oy in range(p["OH"]):
+        valid = [ky for ky in range(p["KH"]) if 0 <= oy * p["SH"] + ky - p["PT"] < p["H"]]
+        if rsegs and rsegs[-1][2] == valid and rsegs[-1][1] == oy:
+            rsegs[-1][1] = oy + 1
+        else:
+            rsegs.append([oy, oy + 1, valid])
+    classes: list[list[int]] = []            # the taps outside the image of the edge pixels
+    for rs in rsegs:
+        cls = []
+        for _, _, vkx in segs:
+            out = [ky * p["KW"] + kx for ky in range(p["KH"]) for kx in range(p["KW"])
+                   if ky not in rs[2] or kx not in vkx]
+            if out and out not in classes:
+                classes.append(out)
+            cls.append(classes.index(out) if out else -1)
+        rs.append(cls)
     hw, ohw = p["H"] * p["W"], p["OH"] * p["OW"]
     row, k0 = _lanes_row(p, segs)
-    below = max(0, (p["OH"] - 1) * p["SH"] + (p["KH"] - 1) * p["DH"] - p["PT"] - p["H"] + 1)
-    base = p["PT"] * p["W"]                                  # the image's first pixel in the buffer
-    npix = base + hw + below * p["W"] + 4                    # (+ the stores of a last quad of pixels)
     return {"NB": nb, "CT": c - 16 * (nb - 1), "BKIND": bkind, "BGROUPS": kinds, "SEGS": segs,
-            "HW": hw, "OHW": ohw, "BASE": base, "NPIX": npix, "BELOW": below,
-            "OBPIX": max(ohw, 16), "ZNEED": any(len(v) < p["KW"] for _, _, v in segs), "ROW": row, "K0": k0}
+            "RSEGS": rsegs, "CLASSES": classes, "HW": hw, "OHW": ohw,
+            "NPIX": hw + 4,                  # (+ the stores of a last quad of pixels)
+            "OBPIX": max(ohw, 16), "ROW": row, "K0": k0}
 
 
 def _lanes_row(p: dict, segs: list) -> tuple[list[dict], int]:
@@ -681,7 +701,7 @@ def _lanes_row(p: dict, segs: list) -> tuple[list[dict], int]:
     step = 16 * p["SW"]
 
     def px(valid, delta):
-        item = {"op": "px", "valid": valid, "post": "", "add": 0}
+        item = {"op": "px", "valid": valid, "post": "", "add": 0, "seg": i}
         if delta is None or delta == 0:
             pass
         elif delta == step and valid:
@@ -733,7 +753,15 @@ def _select_dw_lanes(g: ir.Graph, step: int, k: Kernel, isa: str, q: Q8, w: np.n
     consts = {}
     wdat = wt.reshape(nb, 16, taps).transpose(0, 2, 1).astype(np.int8)
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
-    bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], nb * 16)
+    _, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], nb * 16)
+    # bias per block: the interior pixels', then each edge class's, whose taps outside the image
+    # are not computed: their products with the input zero point (as the kernel holds it) added
+    bias = np.zeros(nb * 16, np.int64)
+    bias[:p["C"]] = _channel_bias(g, k, q, w, zx_loop, p["TX"])
+    zxv = p["ZX"] + act_offset(q, p["TX"], zx_loop)[0]
+    tab = [bias] + [bias + zxv * wt[:, cl].sum(axis=1) for cl in ln["CLASSES"]]
+    bdat = np.stack(tab).reshape(len(tab), nb, 16).transpose(1, 0, 2)            # [NB][1 + classes][16]
+    bname = new_const(g, consts, k.args[-1] + "_bias_" + isa.replace("-", "_"), wrap32(bdat.reshape(-1)))
     tb = ln["OBPIX"] * 16
     guard = _round_up(16 * ln["HW"] + 16, 16) if ln["HW"] < 16 else 0
     ln.update(TB=tb, GD=tb + 256, BUF=tb + 256 + guard)
