@@ -593,6 +593,27 @@ def test_aarch64_dw_lanes_bit_exact(model, dtype, tmp_path, monkeypatch):
         assert "the blocks whose taps group as" in src
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_dw_lanes_threads_bit_exact(dtype, tmp_path, monkeypatch):
+    """--threads 2: the lanes form's blocks of 16 channels (33 channels: 3 blocks, the last of one
+    channel) split over OpenMP threads, each with its own scratch, the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 31, "symmetric")
+    x, xs = b.dq("x", 0.05, hi, dtype), 0.05
+    x, xs = requant(conv(x, xs, 33, 33, (3, 3), pads=(1, 1, 1, 1), group=33, act="relu"), 0.02, lo)
+    y = conv(x, xs, 33, 33, (3, 3), (2, 2), (0, 0, 1, 1), group=33)
+    model = b.model([("x", dtype, [1, 33, 24, 24])], [(b.q(y, 0.006, (lo + hi) // 2, dtype), dtype)])
+    assert _spread(model) >= 16
+    path = save(model, tmp_path)
+    res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, threads=2)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("omp parallel") == 1 and src.count("smull lanes 3 x 16 channels") == 2   # (the second: too few MACs)
+
+
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,
 # a shift above 32); broadcasting keeps the reference. "int32": the int32-lane form, whose
 # constants every input pair was tried with at build time (quant.params.qadd_int32; ties to even
