@@ -41,6 +41,11 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
                  up to 4 taps by SDOT over words of 4 plane bytes (neon-dotprod, stride 1;
                  strided layers take the next ISA); stride-1 windows up to 4 wide as wide as the
                  image take the row form (dw_rows): no gap columns, outputs stored in place.
+                 SMULL pairs with 16 channels or more, windows up to 9 taps (dw_lanes): the
+                 lanes form, 16 channels in the lanes of a vector over [pixel][16] byte planes
+                 (transposed in and out by ST4 / LD4), a pixel's taps by one LD1 a window row,
+                 each half block its own groups of taps summed in int16, taps outside the image
+                 left out (their products with the zero point in the edge class's bias).
   qconv2d_igemm  one-group KxK convolution as an implicit GEMM over zero-point-padded planes of
                  KG interleaved channels (no im2col; taps unrolled): on ISAs whose descriptor
                  prefers it (Cortex-A), or when forced (TINYDEPLOY_ALGO=qconv2d_igemm); see
@@ -729,14 +734,17 @@ def _lanes_row(p: dict, segs: list) -> tuple[list[dict], int]:
 
 def _lanes_cheaper(p: dict, lanes: dict, groups: int) -> bool:
     """Whether the lanes form is estimated to take fewer instructions than the planes (rpi4's
-    exact counts: per 16 outputs 3 T + 4 G + 24 on planes, KH + 2 T + 4 G + 24 in lanes, plus
-    per channel about 150 for a plane, per block and 16 pixels about 45 for each transpose)."""
+    exact counts: per 16 outputs 3 T + 4 G + 24 on planes, plus about 150 a channel; in lanes,
+    per pixel and block KH + 2 T + 2 (G_low + G_high) + 21 (edge pixels fewer), per block and 16
+    pixels about 36 for each transpose, 100 a block. KWS's 3x3 layers, 64 channels on 25x5:
+    planes 45.5 K, lanes 29.8 K; VWW's 8 channels on 48x48: planes 89.6 K, lanes 101.2 K (half
+    the lanes idle), so the lanes form wants 16 channels or more)."""
     taps = p["KH"] * p["KW"]
     hp, wp, _, _ = dw_geometry(p)
     planes = p["C"] * (-(-p["OH"] * wp // 16) * (3 * taps + 4 * groups + 24) + 150)
     g = max(len(lo) + len(hi) for lo, hi in lanes["BGROUPS"])
-    per_block = (lanes["OHW"] * (p["KH"] + 2 * taps + 2 * g + 24)
-                 + 45 * (-(-lanes["HW"] // 16) + -(-lanes["OHW"] // 16)) + 100)
+    per_block = (lanes["OHW"] * (p["KH"] + 2 * taps + 2 * g + 21)
+                 + 36 * (-(-lanes["HW"] // 16) + -(-lanes["OHW"] // 16)) + 100)
     return lanes["NB"] * per_block < planes
 
 
