@@ -517,7 +517,7 @@ def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
 
 def dw_lanes_model(dtype, weights, zx="lo", c=19):
     """Depthwise layers for the lanes form (16 channels in the vector lanes): c channels (19: a
-    block and a tail of 3; 33: two blocks and one channel), a 9x13 plane padded on every side with
+    block and a tail of 3; 33: two blocks and one channel; 7: one block of 8 lanes), a 9x13 plane padded on every side with
     Relu, stride 2 padded below and right to 4x6 (odd sizes), stride 2 padded all round to 2x3
     (6 outputs, under half a vector), a 2x2 window padded above and left, a 3x1 and a 1x4 window,
     PL = 2, and a 1x1 window: planes and windows of every size down to one pixel. Zero points
@@ -536,15 +536,14 @@ def dw_lanes_model(dtype, weights, zx="lo", c=19):
     return b.model([("x", dtype, [1, c, 9, 13])], [(b.q(y, 4e-5, mid, dtype), dtype)])
 
 
-def dw_lanes_small_model(dtype, weights, zx="lo"):
-    """The lanes form on planes of 3x3, 2x2 and 1x1 (20 channels): 3x3 padded (9 pixels: loads
+def dw_lanes_small_model(dtype, weights, zx="lo", c=20):
+    """The lanes form on planes of 3x3, 2x2 and 1x1 (c channels): 3x3 padded (9 pixels: loads
     that would run past the input come from a copy), stride 2 to 2x2, a 2x2 window to 1x1, a Clip
     whose bounds lie inside the output range on both sides, then a padded 3x3 window over one
     pixel (its only tap inside the image)."""
     lo, hi = qrange(dtype)
     mid = (lo + hi) // 2
     b, conv, requant, _ = _chain_layers(dtype, 29, weights)
-    c = 20
     x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
     x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)     # 3x3
     x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c), 0.01, mid + 9)       # 2x2
@@ -570,25 +569,29 @@ def _spread(model, seed=0) -> int:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("model", ["lanes-19", "lanes-33", "small", "dw", "windows", "s2"])
+@pytest.mark.parametrize("model", ["lanes-19", "lanes-33", "lanes-7", "small", "small-6", "dw", "windows", "s2"])
 def test_aarch64_dw_lanes_bit_exact(model, dtype, tmp_path, monkeypatch):
     """Cortex-A72's lanes form of the SMULL-pair depthwise kernel (schedule/q8.py dw_lanes), forced
-    on every layer it takes, bit for bit: the shapes of dw_lanes_model and dw_lanes_small_model,
-    and those of the planes' tests (7, 6 and 5 channels: one block of idle lanes; their 5x5
-    windows keep the planes), input zero points at both ends of their range."""
+    on every layer it takes, bit for bit: the shapes of dw_lanes_model and dw_lanes_small_model
+    in blocks of 16 channels and, up to 8 channels, of 8, and those of the planes' tests (7, 6 and
+    5 channels; their 5x5 windows keep the planes), input zero points at both ends of their
+    range."""
     monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
     make = {"lanes-19": lambda d, z: dw_lanes_model(d, "symmetric", z, 19),
             "lanes-33": lambda d, z: dw_lanes_model(d, "symmetric", z, 33),
+            "lanes-7": lambda d, z: dw_lanes_model(d, "symmetric", z, 7),
             "small": lambda d, z: dw_lanes_small_model(d, "symmetric", z),
+            "small-6": lambda d, z: dw_lanes_small_model(d, "symmetric", z, 6),
             "dw": lambda d, z: dw_model(d, "symmetric", z),
             "windows": lambda d, z: dw_windows_model(d, "symmetric"),
             "s2": lambda d, z: dw_s2_model(d, "symmetric")}[model]
-    layers = {"lanes-19": 7, "lanes-33": 7, "small": 5, "dw": 5, "windows": 5, "s2": 3}[model]
-    for zx in (("lo", "hi") if model in ("lanes-19", "small") else ("lo",)):
-        if model in ("lanes-19", "lanes-33", "small"):
-            assert _spread(make(dtype, zx)) >= (10 if model == "small" else 16)     # (small: of 20 outputs)
+    layers = {"lanes-19": 7, "lanes-33": 7, "lanes-7": 7, "small": 5, "small-6": 5, "dw": 5, "windows": 5, "s2": 3}[model]
+    for zx in (("lo", "hi") if model in ("lanes-19", "lanes-7", "small", "small-6") else ("lo",)):
+        if model.startswith(("lanes", "small")):   # (small: of 20 and 6 outputs)
+            assert _spread(make(dtype, zx)) >= {"small": 10, "small-6": 4}.get(model, 16)
         src = _dw_exact(make(dtype, zx), "rpi4", tmp_path)
         assert src.count("[qconv2d_dw neon smull lanes ") == layers
+        assert src.count(" x 8 channels") == (layers if model in ("lanes-7", "small-6", "dw", "windows", "s2") else 0)
     if model == "lanes-33":                    # two blocks whose taps group differently
         assert "the blocks whose taps group as" in src
 

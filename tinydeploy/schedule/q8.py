@@ -645,13 +645,15 @@ def dw_lanes(p: dict, w: np.ndarray) -> dict | None:
     if (taps > LANES_MAX_TAPS or p["KW"] > 4 or p["DH"] != 1 or p["DW"] != 1 or p["C"] != p["M"] or not w.size
             or int(w.min()) <= -128):
         return None
-    c, nb = p["C"], -(-p["C"] // 16)
+    c = p["C"]
+    lw = 8 if c <= 8 else 16                  # lanes a block: 8 (one half) for up to 8 channels
+    nb = -(-c // lw)
     kinds: list[tuple[list[list[int]], list[list[int]]]] = []
     bkind, used = [], []
     for b in range(nb):
         halves = []
         for h in (0, 1):                      # the block's 8 low and 8 high channels
-            wh = w[16 * b + 8 * h:16 * b + 8 * h + 8]
+            wh = w[lw * b + 8 * h:lw * b + 8 * h + 8] if 8 * h < lw else w[:0]
             if not len(wh):                   # no channel (the tail): nothing computed
                 halves.append([])
                 continue
@@ -689,21 +691,21 @@ def dw_lanes(p: dict, w: np.ndarray) -> dict | None:
             cls.append(classes.index(out) if out else -1)
         rs.append(cls)
     hw, ohw = p["H"] * p["W"], p["OH"] * p["OW"]
-    row, k0 = _lanes_row(p, segs)
-    return {"NB": nb, "CT": c - 16 * (nb - 1), "BKIND": bkind, "BGROUPS": kinds, "SEGS": segs,
+    row, k0 = _lanes_row(p, segs, lw)
+    return {"NB": nb, "LW": lw, "CT": c - lw * (nb - 1), "BKIND": bkind, "BGROUPS": kinds, "SEGS": segs,
             "RSEGS": rsegs, "CLASSES": classes, "HW": hw, "OHW": ohw,
             "NPIX": hw + 4,                  # (+ the stores of a last quad of pixels)
             "OBPIX": max(ohw, 16), "ROW": row, "K0": k0}
 
 
-def _lanes_row(p: dict, segs: list) -> tuple[list[dict], int]:
+def _lanes_row(p: dict, segs: list, lw: int) -> tuple[list[dict], int]:
     """The lanes form's steps for one output row and where its row pointers start (K0: the first
     pixel's first tap inside the row): pixels ({"op": "px", "valid": window columns inside the
     row, "post": how the pointers step to the next pixel's first tap: "s" (16 SW bytes), the
     LD1's size, "" (not at all), "add": bytes added apart}), segments of more than 4 alike
     pixels as loops of two ({"op": "loop", "n": iterations, "body": two pixels}), pointer
     adjustments after a loop ({"op": "adj", "d": bytes})."""
-    step = 16 * p["SW"]
+    step = lw * p["SW"]
 
     def px(valid, delta):
         item = {"op": "px", "valid": valid, "post": "", "add": 0, "seg": i}
@@ -711,7 +713,7 @@ def _lanes_row(p: dict, segs: list) -> tuple[list[dict], int]:
             pass
         elif delta == step and valid:
             item["post"] = "s"
-        elif valid and delta == 16 * len(valid):
+        elif valid and delta == lw * len(valid):
             item["post"] = delta
         else:
             item["add"] = delta
@@ -719,7 +721,7 @@ def _lanes_row(p: dict, segs: list) -> tuple[list[dict], int]:
     first = [v[0] if v else 0 for _, _, v in segs]
     row = []
     for i, (ox0, ox1, valid) in enumerate(segs):
-        end = 16 * (p["SW"] + first[i + 1] - first[i]) if i + 1 < len(segs) else None
+        end = lw * (p["SW"] + first[i + 1] - first[i]) if i + 1 < len(segs) else None
         n = ox1 - ox0
         if n <= 4:
             row += [px(valid, step if j < n - 1 else end) for j in range(n)]
@@ -736,15 +738,16 @@ def _lanes_cheaper(p: dict, lanes: dict, groups: int) -> bool:
     """Whether the lanes form is estimated to take fewer instructions than the planes (rpi4's
     exact counts: per 16 outputs 3 T + 4 G + 24 on planes, plus about 150 a channel; in lanes,
     per pixel and block KH + 2 T + 2 (G_low + G_high) + 21 (edge pixels fewer), per block and 16
-    pixels about 36 for each transpose, 100 a block. KWS's 3x3 layers, 64 channels on 25x5:
-    planes 45.5 K, lanes 29.8 K; VWW's 8 channels on 48x48: planes 89.6 K, lanes 101.2 K (half
-    the lanes idle), so the lanes form wants 16 channels or more)."""
+    pixels about 36 for each transpose, 100 a block; blocks of 8 channels KH + T + 2 G + 12 and
+    20. KWS's 3x3 layers, 64 channels on 25x5: planes 45.5 K, lanes 29.8 K; VWW's 8 channels on
+    48x48: planes 89.6 K, 16 lanes 101.2 K (half of them idle), 8 lanes ...)."""
     taps = p["KH"] * p["KW"]
     hp, wp, _, _ = dw_geometry(p)
     planes = p["C"] * (-(-p["OH"] * wp // 16) * (3 * taps + 4 * groups + 24) + 150)
     g = max(len(lo) + len(hi) for lo, hi in lanes["BGROUPS"])
-    per_block = (lanes["OHW"] * (p["KH"] + 2 * taps + 2 * g + 21)
-                 + 36 * (-(-lanes["HW"] // 16) + -(-lanes["OHW"] // 16)) + 100)
+    half = lanes["LW"] == 8                  # one half: SMULL only, 2 accumulators, half the transposes
+    per_block = (lanes["OHW"] * (p["KH"] + (1 if half else 2) * taps + 2 * g + (12 if half else 21))
+                 + (20 if half else 36) * (-(-lanes["HW"] // 16) + -(-lanes["OHW"] // 16)) + 100)
     return lanes["NB"] * per_block < planes
 
 
@@ -754,30 +757,30 @@ def _select_dw_lanes(g: ir.Graph, step: int, k: Kernel, isa: str, q: Q8, w: np.n
     256 bytes for the transposes, a copy of the last block's planes where a plane is shorter
     than a vector (its 16-byte loads would run past the input), the interleaved plane."""
     p = dict(k.params)
-    taps, nb = p["KH"] * p["KW"], ln["NB"]
+    taps, nb, lw = p["KH"] * p["KW"], ln["NB"], ln["LW"]
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
-    wt = np.zeros((nb * 16, taps), np.int64)
+    wt = np.zeros((nb * lw, taps), np.int64)
     wt[:p["C"]] = w
     consts = {}
-    wdat = wt.reshape(nb, 16, taps).transpose(0, 2, 1).astype(np.int8)
+    wdat = wt.reshape(nb, lw, taps).transpose(0, 2, 1).astype(np.int8)
     wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
-    _, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], nb * 16)
+    _, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], nb * lw)
     # bias per block: the interior pixels', then each edge class's, whose taps outside the image
     # are not computed: their products with the input zero point (as the kernel holds it) added
-    bias = np.zeros(nb * 16, np.int64)
+    bias = np.zeros(nb * lw, np.int64)
     bias[:p["C"]] = _channel_bias(g, k, q, w, zx_loop, p["TX"])
     zxv = p["ZX"] + act_offset(q, p["TX"], zx_loop)[0]
     tab = [bias] + [bias + zxv * wt[:, cl].sum(axis=1) for cl in ln["CLASSES"]]
-    bdat = np.stack(tab).reshape(len(tab), nb, 16).transpose(1, 0, 2)            # [NB][1 + classes][16]
+    bdat = np.stack(tab).reshape(len(tab), nb, lw).transpose(1, 0, 2)            # [NB][1 + classes][LW]
     bname = new_const(g, consts, k.args[-1] + "_bias_" + isa.replace("-", "_"), wrap32(bdat.reshape(-1)))
-    tb = ln["OBPIX"] * 16
-    guard = _round_up(16 * ln["HW"] + 16, 16) if ln["HW"] < 16 else 0
+    tb = ln["OBPIX"] * lw
+    guard = _round_up(lw * ln["HW"] + 16, 16) if ln["HW"] < 16 else 0
     ln.update(TB=tb, GD=tb + 256, BUF=tb + 256 + guard)
     p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, DWL=ln, TAPS=taps, ZXL=zx_loop)
-    scratch = ln["BUF"] + 16 * ln["NPIX"]
+    scratch = ln["BUF"] + lw * ln["NPIX"]
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     kinds = len(ln["BGROUPS"])
-    desc = (f"[qconv2d_dw {isa}{_tag(q)} lanes {nb} x 16 channels, {kinds} tap grouping{'s' if kinds > 1 else ''}] "
+    desc = (f"[qconv2d_dw {isa}{_tag(q)} lanes {nb} x {lw} channels, {kinds} tap grouping{'s' if kinds > 1 else ''}] "
             f"{k.desc}")
     return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts, scratch_dtype="int32")
 
@@ -803,7 +806,7 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     form = os.environ.get("TINYDEPLOY_DW_FORM", "")           # lanes | planes (tests, experiments)
     pq = _pairs(q, k, w) if q.flavour == "mlal" and form != "planes" else None
     ln = dw_lanes(p, w) if pq is not None else None
-    if ln is not None and (form == "lanes" or (p["C"] >= 16 and _lanes_cheaper(p, ln, len(dw_groups(w))))):
+    if ln is not None and (form == "lanes" or ((p["C"] >= 16 or ln["LW"] == 8) and _lanes_cheaper(p, ln, len(dw_groups(w))))):
         return _select_dw_lanes(g, step, k, isa, pq, w, ln)
     if q.flavour == "mlal" and _round_up(p["OH"] * wp, lanes) > lanes:
         q = _pairs(q, k, w) or q    # int8 weights without -128: SMULL pairs on byte planes (but for one vector a channel)
