@@ -467,11 +467,13 @@ def _dw_exact(model, board, tmp_path) -> str:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
-def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
+def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path, monkeypatch):
     """The NEON depthwise kernels (qconv2d_dw.c.j2) on every edge of dw_model: on Cortex-A72 int8
     weights without -128 take the SMULL pairs over byte planes (but for a plane of one vector), a
     -128 keeps SMLAL over int16 planes; Cortex-A78AE takes SDOT over words of 4 plane bytes
-    whatever the weights; both in the row form where it applies."""
+    whatever the weights; both in the row form where it applies. The planes forced (the lanes
+    form has its own tests)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "planes")
     for zx in ("lo", "hi"):
         src = _dw_exact(dw_model(dtype, weights, zx), board, tmp_path)
         assert src.count("[qconv2d_dw ") == 7
@@ -496,9 +498,10 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
-def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
+def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path, monkeypatch):
     """The row form's windows 1 to 4 wide (SDOT words with 1 to 4 taps; SMULL pairs' shifted
-    copies), on both boards."""
+    copies), on both boards (the planes forced)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "planes")
     src = _dw_exact(dw_windows_model(dtype, weights), board, tmp_path)
     assert src.count("[qconv2d_dw ") == 5
     assert src.count(" rows 1 x ") == (5 if board == "jetson-orin" or weights == "symmetric" else 0)
@@ -507,9 +510,10 @@ def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
-def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
+def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path, monkeypatch):
     """Stride 2: Cortex-A78AE's SDOT over words of each row parity where rows hold 6 outputs or
-    more, else (and on Cortex-A72) the phase planes."""
+    more, else (and on Cortex-A72) the phase planes (forced)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "planes")
     src = _dw_exact(dw_s2_model(dtype, weights), board, tmp_path)
     assert src.count(" s2 words ") == (2 if board == "jetson-orin" else 0)
     assert ("in assembly: the accumulators v0-v3" in src) == (board == "jetson-orin")

@@ -740,7 +740,7 @@ def _lanes_cheaper(p: dict, lanes: dict, groups: int) -> bool:
     per pixel and block KH + 2 T + 2 (G_low + G_high) + 21 (edge pixels fewer), per block and 16
     pixels about 36 for each transpose, 100 a block; blocks of 8 channels KH + T + 2 G + 12 and
     20. KWS's 3x3 layers, 64 channels on 25x5: planes 45.5 K, lanes 29.8 K; VWW's 8 channels on
-    48x48: planes 89.6 K, 16 lanes 101.2 K (half of them idle), 8 lanes ...)."""
+    48x48: planes 89.6 K, 16 lanes 101.2 K (half of them idle), 8 lanes 79.1 K)."""
     taps = p["KH"] * p["KW"]
     hp, wp, _, _ = dw_geometry(p)
     planes = p["C"] * (-(-p["OH"] * wp // 16) * (3 * taps + 4 * groups + 24) + 150)
