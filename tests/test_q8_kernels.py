@@ -519,18 +519,26 @@ def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path, monkeypatch):
     assert ("in assembly: the accumulators v0-v3" in src) == (board == "jetson-orin")
 
 
+def _lanes_start(dtype, seed, weights, zx, c):
+    """The lanes tests' chains: the input (zero point at the bottom or the top of its range), then
+    a 3x3 depthwise layer padded on every side with Relu. Returns the builder's pieces, the layer's
+    output and scale, and the middle of the range."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, seed, weights)
+    x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
+    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)
+    return b, conv, requant, x, xs, lo, (lo + hi) // 2
+
+
 def dw_lanes_model(dtype, weights, zx="lo", c=19):
     """Depthwise layers for the lanes form (16 channels in the vector lanes): c channels (19: a
-    block and a tail of 3; 33: two blocks and one channel; 7: one block of 8 lanes), a 9x13 plane padded on every side with
-    Relu, stride 2 padded below and right to 4x6 (odd sizes), stride 2 padded all round to 2x3
-    (6 outputs, under half a vector), a 2x2 window padded above and left, a 3x1 and a 1x4 window,
-    PL = 2, and a 1x1 window: planes and windows of every size down to one pixel. Zero points
-    keep every layer's outputs spread over their range (no layer saturates to a constant)."""
-    lo, hi = qrange(dtype)
-    mid = (lo + hi) // 2
-    b, conv, requant, _ = _chain_layers(dtype, 23, weights)
-    x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
-    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)      # 9x13
+    block and a tail of 3; 33: two blocks and one channel; 7: one block of 8 lanes), a 9x13
+    plane padded on every side with Relu, stride 2 padded below and right to 4x6 (odd sizes),
+    stride 2 padded all round to 2x3 (6 outputs, under half a vector), a 2x2 window padded above
+    and left, a 3x1 and a 1x4 window, PL = 2, and a 1x1 window: planes and windows of every size
+    down to one pixel. Zero points keep every layer's outputs spread over their range (no layer
+    saturates to a constant)."""
+    b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 23, weights, zx, c)              # 9x13
     x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (0, 0, 1, 1), group=c), 0.006, mid + 20)      # 4x6
     x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c, act="relu"), 0.002, lo + 1)   # 2x3
     x, xs = requant(conv(x, xs, c, c, (2, 2), pads=(1, 1, 0, 0), group=c), 6e-4, mid - 30)          # 2x3
@@ -545,11 +553,7 @@ def dw_lanes_small_model(dtype, weights, zx="lo", c=20):
     that would run past the input come from a copy), stride 2 to 2x2, a 2x2 window to 1x1, a Clip
     whose bounds lie inside the output range on both sides, then a padded 3x3 window over one
     pixel (its only tap inside the image)."""
-    lo, hi = qrange(dtype)
-    mid = (lo + hi) // 2
-    b, conv, requant, _ = _chain_layers(dtype, 29, weights)
-    x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
-    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)     # 3x3
+    b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 29, weights, zx, c)              # 3x3
     x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c), 0.01, mid + 9)       # 2x2
     x, xs = requant(conv(x, xs, c, c, (2, 2), group=c), 0.005, mid - 7)                           # 1x1
     clip = b.node("Clip", [conv(x, xs, c, c, (1, 1), group=c), b.const(np.float32(0.01)), b.const(np.float32(0.3))])
@@ -607,12 +611,9 @@ def test_aarch64_dw_lanes_threads_bit_exact(dtype, tmp_path, monkeypatch):
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
-    lo, hi = qrange(dtype)
-    b, conv, requant, _ = _chain_layers(dtype, 31, "symmetric")
-    x, xs = b.dq("x", 0.05, hi, dtype), 0.05
-    x, xs = requant(conv(x, xs, 33, 33, (3, 3), pads=(1, 1, 1, 1), group=33, act="relu"), 0.02, lo)
+    b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 31, "symmetric", "hi", 33)
     y = conv(x, xs, 33, 33, (3, 3), (2, 2), (0, 0, 1, 1), group=33)
-    model = b.model([("x", dtype, [1, 33, 24, 24])], [(b.q(y, 0.006, (lo + hi) // 2, dtype), dtype)])
+    model = b.model([("x", dtype, [1, 33, 24, 24])], [(b.q(y, 0.006, mid, dtype), dtype)])
     assert _spread(model) >= 16
     path = save(model, tmp_path)
     res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, threads=2)
