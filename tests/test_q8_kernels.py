@@ -604,6 +604,19 @@ def test_aarch64_dw_lanes_bit_exact(model, dtype, tmp_path, monkeypatch):
         assert "the blocks whose taps group as" in src
 
 
+@pytest.mark.parametrize("c, hw", [(19, (3, 3)), (6, (9, 13)), (33, (5, 4))])
+def test_aarch64_dw_lanes_batch_bit_exact(c, hw, tmp_path, monkeypatch):
+    """Two images: the lanes form's blocks run over both (the second image's channels after the
+    first's; planes under 16 pixels read the last image's last planes from a copy)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
+    for dtype in (np.int8, np.uint8):
+        b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 41, "symmetric", "lo", c)
+        y = conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c)
+        model = b.model([("x", dtype, [2, c, *hw])], [(b.q(y, 0.006, mid, dtype), dtype)])
+        assert _spread(model) >= 16
+        assert _dw_exact(model, "rpi4", tmp_path).count("smull lanes") == 2
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_aarch64_dw_lanes_threads_bit_exact(dtype, tmp_path, monkeypatch):
     """--threads 2: the lanes form's blocks of 16 channels (33 channels: 3 blocks, the last of one
