@@ -553,11 +553,13 @@ def _dw_exact(model, board, tmp_path) -> str:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
-def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
+def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path, monkeypatch):
     """The NEON depthwise kernels (qconv2d_dw.c.j2) on every edge of dw_model: on Cortex-A72 int8
     weights without -128 take the SMULL pairs over byte planes (but for a plane of one vector), a
     -128 keeps SMLAL over int16 planes; Cortex-A78AE takes SDOT over words of 4 plane bytes
-    whatever the weights; both in the row form where it applies."""
+    whatever the weights; both in the row form where it applies. The planes forced (the lanes
+    form has its own tests)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "planes")
     for zx in ("lo", "hi"):
         src = _dw_exact(dw_model(dtype, weights, zx), board, tmp_path)
         assert src.count("[qconv2d_dw ") == 7
@@ -582,9 +584,10 @@ def test_aarch64_dw_bit_exact(board, weights, dtype, tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
-def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
+def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path, monkeypatch):
     """The row form's windows 1 to 4 wide (SDOT words with 1 to 4 taps; SMULL pairs' shifted
-    copies), on both boards."""
+    copies), on both boards (the planes forced)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "planes")
     src = _dw_exact(dw_windows_model(dtype, weights), board, tmp_path)
     assert src.count("[qconv2d_dw ") == 5
     assert src.count(" rows 1 x ") == (5 if board == "jetson-orin" or weights == "symmetric" else 0)
@@ -593,12 +596,129 @@ def test_aarch64_dw_windows_bit_exact(board, weights, dtype, tmp_path):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights", ["with-128", "symmetric"])
 @pytest.mark.parametrize("board", ["rpi4", "jetson-orin"])
-def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path):
+def test_aarch64_dw_s2_bit_exact(board, weights, dtype, tmp_path, monkeypatch):
     """Stride 2: Cortex-A78AE's SDOT over words of each row parity where rows hold 6 outputs or
-    more, else (and on Cortex-A72) the phase planes."""
+    more, else (and on Cortex-A72) the phase planes (forced)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "planes")
     src = _dw_exact(dw_s2_model(dtype, weights), board, tmp_path)
     assert src.count(" s2 words ") == (2 if board == "jetson-orin" else 0)
     assert ("in assembly: the accumulators v0-v3" in src) == (board == "jetson-orin")
+
+
+def _lanes_start(dtype, seed, weights, zx, c):
+    """The lanes tests' chains: the input (zero point at the bottom or the top of its range), then
+    a 3x3 depthwise layer padded on every side with Relu. Returns the builder's pieces, the layer's
+    output and scale, and the middle of the range."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, seed, weights)
+    x, xs = b.dq("x", 0.05, lo if zx == "lo" else hi, dtype), 0.05
+    x, xs = requant(conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c, act="relu"), 0.02, lo)
+    return b, conv, requant, x, xs, lo, (lo + hi) // 2
+
+
+def dw_lanes_model(dtype, weights, zx="lo", c=19):
+    """Depthwise layers for the lanes form (16 channels in the vector lanes): c channels (19: a
+    block and a tail of 3; 33: two blocks and one channel; 7: one block of 8 lanes), a 9x13
+    plane padded on every side with Relu, stride 2 padded below and right to 4x6 (odd sizes),
+    stride 2 padded all round to 2x3 (6 outputs, under half a vector), a 2x2 window padded above
+    and left, a 3x1 and a 1x4 window, PL = 2, and a 1x1 window: planes and windows of every size
+    down to one pixel. Zero points keep every layer's outputs spread over their range (no layer
+    saturates to a constant)."""
+    b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 23, weights, zx, c)              # 9x13
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (0, 0, 1, 1), group=c), 0.006, mid + 20)      # 4x6
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c, act="relu"), 0.002, lo + 1)   # 2x3
+    x, xs = requant(conv(x, xs, c, c, (2, 2), pads=(1, 1, 0, 0), group=c), 6e-4, mid - 30)          # 2x3
+    x, xs = requant(conv(x, xs, c, c, (3, 1), pads=(1, 0, 1, 0), group=c), 3e-4, mid)
+    x, xs = requant(conv(x, xs, c, c, (1, 4), pads=(0, 2, 0, 1), group=c), 1e-4, mid + 3)          # PL = 2
+    y = conv(x, xs, c, c, (1, 1), group=c)
+    return b.model([("x", dtype, [1, c, 9, 13])], [(b.q(y, 4e-5, mid, dtype), dtype)])
+
+
+def dw_lanes_small_model(dtype, weights, zx="lo", c=20):
+    """The lanes form on planes of 3x3, 2x2 and 1x1 (c channels): 3x3 padded (9 pixels: loads
+    that would run past the input come from a copy), stride 2 to 2x2, a 2x2 window to 1x1, a Clip
+    whose bounds lie inside the output range on both sides, then a padded 3x3 window over one
+    pixel (its only tap inside the image)."""
+    b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 29, weights, zx, c)              # 3x3
+    x, xs = requant(conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c), 0.01, mid + 9)       # 2x2
+    x, xs = requant(conv(x, xs, c, c, (2, 2), group=c), 0.005, mid - 7)                           # 1x1
+    clip = b.node("Clip", [conv(x, xs, c, c, (1, 1), group=c), b.const(np.float32(0.01)), b.const(np.float32(0.3))])
+    x, xs = requant(clip, 0.002, lo + 20)              # outputs from above the zero point to under the top
+    y = conv(x, xs, c, c, (3, 3), pads=(1, 1, 1, 1), group=c)
+    return b.model([("x", dtype, [1, c, 3, 3])], [(b.q(y, 0.002, mid, dtype), dtype)])
+
+
+def _spread(model, seed=0) -> int:
+    """Distinct values of the model's output on random inputs (onnxruntime, the graph's meaning):
+    a test chain whose layers saturate to a constant holds its kernels to nothing."""
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    i = sess.get_inputs()[0]
+    dt = np.uint8 if "uint8" in i.type else np.int8
+    lo, hi = np.iinfo(dt).min, np.iinfo(dt).max
+    x = np.random.default_rng(seed).integers(lo, hi + 1, i.shape).astype(dt)
+    return len(np.unique(sess.run(None, {i.name: x})[0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", ["lanes-19", "lanes-33", "lanes-7", "small", "small-6", "dw", "windows", "s2"])
+def test_aarch64_dw_lanes_bit_exact(model, dtype, tmp_path, monkeypatch):
+    """Cortex-A72's lanes form of the SMULL-pair depthwise kernel (schedule/q8.py dw_lanes), forced
+    on every layer it takes, bit for bit: the shapes of dw_lanes_model and dw_lanes_small_model
+    in blocks of 16 channels and, up to 8 channels, of 8, and those of the planes' tests (7, 6 and
+    5 channels; their 5x5 windows keep the planes), input zero points at both ends of their
+    range."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
+    make = {"lanes-19": lambda d, z: dw_lanes_model(d, "symmetric", z, 19),
+            "lanes-33": lambda d, z: dw_lanes_model(d, "symmetric", z, 33),
+            "lanes-7": lambda d, z: dw_lanes_model(d, "symmetric", z, 7),
+            "small": lambda d, z: dw_lanes_small_model(d, "symmetric", z),
+            "small-6": lambda d, z: dw_lanes_small_model(d, "symmetric", z, 6),
+            "dw": lambda d, z: dw_model(d, "symmetric", z),
+            "windows": lambda d, z: dw_windows_model(d, "symmetric"),
+            "s2": lambda d, z: dw_s2_model(d, "symmetric")}[model]
+    layers = {"lanes-19": 7, "lanes-33": 7, "lanes-7": 7, "small": 5, "small-6": 5, "dw": 5, "windows": 5, "s2": 3}[model]
+    for zx in (("lo", "hi") if model in ("lanes-19", "lanes-7", "small", "small-6") else ("lo",)):
+        if model.startswith(("lanes", "small")):   # (small: of 20 and 6 outputs)
+            assert _spread(make(dtype, zx)) >= {"small": 10, "small-6": 4}.get(model, 16)
+        src = _dw_exact(make(dtype, zx), "rpi4", tmp_path)
+        assert src.count("[qconv2d_dw neon smull lanes ") == layers
+        assert src.count(" x 8 channels") == (layers if model in ("lanes-7", "small-6", "dw", "windows", "s2") else 0)
+    if model == "lanes-33":                    # two blocks whose taps group differently
+        assert "the blocks whose taps group as" in src
+
+
+@pytest.mark.parametrize("c, hw", [(19, (3, 3)), (6, (9, 13)), (33, (5, 4))])
+def test_aarch64_dw_lanes_batch_bit_exact(c, hw, tmp_path, monkeypatch):
+    """Two images: the lanes form's blocks run over both (the second image's channels after the
+    first's; planes under 16 pixels read the last image's last planes from a copy)."""
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
+    for dtype in (np.int8, np.uint8):
+        b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 41, "symmetric", "lo", c)
+        y = conv(x, xs, c, c, (3, 3), (2, 2), (1, 1, 1, 1), group=c)
+        model = b.model([("x", dtype, [2, c, *hw])], [(b.q(y, 0.006, mid, dtype), dtype)])
+        assert _spread(model) >= 16
+        assert _dw_exact(model, "rpi4", tmp_path).count("smull lanes") == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_dw_lanes_threads_bit_exact(dtype, tmp_path, monkeypatch):
+    """--threads 2: the lanes form's blocks of 16 channels (33 channels: 3 blocks, the last of one
+    channel) split over OpenMP threads, each with its own scratch, the same bits."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    monkeypatch.setenv("TINYDEPLOY_DW_FORM", "lanes")
+    b, conv, requant, x, xs, lo, mid = _lanes_start(dtype, 31, "symmetric", "hi", 33)
+    y = conv(x, xs, 33, 33, (3, 3), (2, 2), (0, 0, 1, 1), group=33)
+    model = b.model([("x", dtype, [1, 33, 24, 24])], [(b.q(y, 0.006, mid, dtype), dtype)])
+    assert _spread(model) >= 16
+    path = save(model, tmp_path)
+    res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, threads=2)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert src.count("omp parallel") == 1 and src.count("smull lanes 3 x 16 channels") == 2   # (the second: too few MACs)
 
 
 # the NEON Add (qadd_neon.c.j2): same shapes (with and without a tail of < 16 values, exact ties,

@@ -48,6 +48,11 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
                  up to 4 taps by SDOT over words of 4 plane bytes (neon-dotprod, stride 1;
                  strided layers take the next ISA); stride-1 windows up to 4 wide as wide as the
                  image take the row form (dw_rows): no gap columns, outputs stored in place.
+                 SMULL pairs with 16 channels or more, windows up to 9 taps (dw_lanes): the
+                 lanes form, 16 channels in the lanes of a vector over [pixel][16] byte planes
+                 (transposed in and out by ST4 / LD4), a pixel's taps by one LD1 a window row,
+                 each half block its own groups of taps summed in int16, taps outside the image
+                 left out (their products with the zero point in the edge class's bias).
   qconv2d_igemm  one-group KxK convolution as an implicit GEMM over zero-point-padded planes of
                  KG interleaved channels (no im2col; taps unrolled): on ISAs whose descriptor
                  prefers it (Cortex-A), or when forced (TINYDEPLOY_ALGO=qconv2d_igemm); see
@@ -136,11 +141,16 @@ def _conv_weights(g: ir.Graph, k: Kernel) -> np.ndarray:
     return w.reshape(p["M"], -1)
 
 
+def _channel_bias(g, k, q, w_rows, zx_loop, tx) -> np.ndarray:
+    """bias_k per output channel (int64, unwrapped): b' - (zx_loop + off) * sum(w)."""
+    off, _ = act_offset(q, tx, zx_loop)
+    return k.tensor(k.args[2], g).data.astype(np.int64) - (zx_loop + off) * w_rows.sum(axis=1)
+
+
 def _channel_consts(g, k, consts, q, isa, w_rows, zx_loop, tx, rows_per_group, padded_rows):
     """bias_k (int32) and R (float32) per output channel, padded per group to `padded_rows`."""
-    off, _ = act_offset(q, tx, zx_loop)
     b = k.tensor(k.args[2], g).data.astype(np.int64)
-    bias = b - (zx_loop + off) * w_rows.sum(axis=1)
+    bias = _channel_bias(g, k, q, w_rows, zx_loop, tx)
     r = requant_scales(k.tensor(k.args[3], g).data, k.tensor(k.args[4], g).data)
     groups = len(b) // rows_per_group
     bk = np.zeros((groups, padded_rows), np.int64)
@@ -639,6 +649,214 @@ def dw_groups(w: np.ndarray) -> list[list[int]]:
     return [best[1]] + [rest[i:i + 2] for i in range(0, len(rest), 2)]
 
 
+def _int16_safe(w: np.ndarray) -> np.ndarray:
+    """[2^T] bool: whether the taps of each subset (bit t: tap t) may sum their int8 products in
+    int16 for every channel of w ([C][T] int8 weights, no -128) and every input byte (signed,
+    |v| <= 128): 127 P + 128 N <= 32767 and 128 P + 127 N <= 32768, P and N the sums of the
+    subset's positive weights and of the negatives' magnitudes (the bound of dw_groups)."""
+    taps = w.shape[1]
+    pos, neg = np.maximum(w, 0), np.maximum(-w, 0)
+    ok = np.zeros(1 << taps, bool)
+    for m in range(1, 1 << taps):
+        sel = [t for t in range(taps) if m >> t & 1]
+        ps, ns = pos[:, sel].sum(1), neg[:, sel].sum(1)
+        ok[m] = bool(np.all(127 * ps + 128 * ns <= 32767) and np.all(128 * ps + 127 * ns <= 32768))
+    return ok
+
+
+def dw_partition(w: np.ndarray) -> list[list[int]]:
+    """The fewest groups of taps whose int8 products may be summed in int16 (_int16_safe) for every
+    channel of w ([C][T], T <= 9): an exact search over the subsets (the least group count; among
+    equals the first in the order of the subsets' bit masks, so the same weights give the same
+    groups)."""
+    taps = w.shape[1]
+    ok = _int16_safe(w)
+    full = (1 << taps) - 1
+    best: dict[int, tuple[int, int]] = {0: (0, 0)}          # mask -> (groups, first group's mask)
+    for m in range(1, full + 1):
+        low = m & -m
+        rest = m ^ low
+        sub, choice = rest, None
+        while True:                                          # every subset of rest, with low
+            grp = sub | low
+            if ok[grp]:
+                cand = best[m ^ grp][0] + 1
+                if choice is None or cand < choice[0]:
+                    choice = (cand, grp)
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        best[m] = choice
+    groups, m = [], full
+    while m:
+        grp = best[m][1]
+        groups.append([t for t in range(taps) if grp >> t & 1])
+        m ^= grp
+    return groups
+
+
+LANES_MAX_TAPS = 9      # the lanes form keeps a weight register per tap
+
+
+def dw_lanes(p: dict, w: np.ndarray) -> dict | None:
+    """The SMULL-pair depthwise kernel's lanes form (NEON, int8 weights without -128, windows of up
+    to LANES_MAX_TAPS taps, up to 4 wide, undilated), or None: 16 channels in the lanes of a
+    vector, each tap of an output pixel one SMULL / SMULL2 pair (SMLAL for the group's further taps) over the 16 channels'
+    input bytes at the tap's pixel. A block of 16 channels is transposed from its planes into
+    a channel-interleaved plane ([pixel][16] bytes, the image rows W pixels wide, PT rows of the
+    input zero point above and the rows the windows read below), then every output pixel is
+    computed in turn (taps left or right of the row take a register of the zero point), and the
+    [pixel][16] outputs are transposed back into the 16 output planes. Each half of a block (its
+    8 low channels, SMULL, and 8 high ones, SMULL2) has its own groups of taps summed in int16
+    (dw_partition over its channels, or groups already used with as few; the last block's lanes
+    past C have weight 0, a half without channels is not computed). Returns the plan: blocks,
+    their groups (BGROUPS: distinct (low, high) partitions, BKIND: which each block takes), the
+    column segments of the output rows (ox0, ox1, valid kx) and a row's steps (_lanes_row), the
+    buffer's geometry."""
+    taps = p["KH"] * p["KW"]
+    if (taps > LANES_MAX_TAPS or p["KW"] > 4 or p["DH"] != 1 or p["DW"] != 1 or p["C"] != p["M"] or not w.size
+            or int(w.min()) <= -128):
+        return None
+    c = p["C"]
+    lw = 8 if c <= 8 else 16                  # lanes a block: 8 (one half) for up to 8 channels
+    nb = -(-c // lw)
+    kinds: list[tuple[list[list[int]], list[list[int]]]] = []
+    bkind, used = [], []
+    for b in range(nb):
+        halves = []
+        for h in (0, 1):                      # the block's 8 low and 8 high channels
+            wh = w[lw * b + 8 * h:lw * b + 8 * h + 8] if 8 * h < lw else w[:0]
+            if not len(wh):                   # no channel (the tail): nothing computed
+                halves.append([])
+                continue
+            best, ok = dw_partition(wh), _int16_safe(wh)
+            halves.append(next((gs for gs in used if len(gs) == len(best)
+                                and all(ok[sum(1 << t for t in grp)] for grp in gs)), best))
+            if halves[-1] is best:
+                used.append(best)
+        kind = (halves[0], halves[1])
+        if kind not in kinds:
+            kinds.append(kind)
+        bkind.append(kinds.index(kind))
+    segs: list[list] = []
+    for ox in range(p["OW"]):
+        valid = [kx for kx in range(p["KW"]) if 0 <= ox * p["SW"] + kx * p["DW"] - p["PL"] < p["W"]]
+        if segs and segs[-1][2] == valid and segs[-1][1] == ox:
+            segs[-1][1] = ox + 1
+        else:
+            segs.append([ox, ox + 1, valid])
+    rsegs: list[list] = []                   # output rows alike: (oy0, oy1, window rows inside the image)
+    for oy in range(p["OH"]):
+        valid = [ky for ky in range(p["KH"]) if 0 <= oy * p["SH"] + ky - p["PT"] < p["H"]]
+        if rsegs and rsegs[-1][2] == valid and rsegs[-1][1] == oy:
+            rsegs[-1][1] = oy + 1
+        else:
+            rsegs.append([oy, oy + 1, valid])
+    classes: list[list[int]] = []            # the taps outside the image of the edge pixels
+    for rs in rsegs:
+        cls = []
+        for _, _, vkx in segs:
+            out = [ky * p["KW"] + kx for ky in range(p["KH"]) for kx in range(p["KW"])
+                   if ky not in rs[2] or kx not in vkx]
+            if out and out not in classes:
+                classes.append(out)
+            cls.append(classes.index(out) if out else -1)
+        rs.append(cls)
+    hw, ohw = p["H"] * p["W"], p["OH"] * p["OW"]
+    row, k0 = _lanes_row(p, segs, lw)
+    return {"NB": nb, "LW": lw, "CT": c - lw * (nb - 1), "BKIND": bkind, "BGROUPS": kinds, "SEGS": segs,
+            "RSEGS": rsegs, "CLASSES": classes, "HW": hw, "OHW": ohw,
+            "NPIX": hw + 4,                  # (+ the stores of a last quad of pixels)
+            "OBPIX": max(ohw, 16), "ROW": row, "K0": k0}
+
+
+def _lanes_row(p: dict, segs: list, lw: int) -> tuple[list[dict], int]:
+    """The lanes form's steps for one output row and where its row pointers start (K0: the first
+    pixel's first tap inside the row): pixels ({"op": "px", "valid": window columns inside the
+    row, "post": how the pointers step to the next pixel's first tap: "s" (16 SW bytes), the
+    LD1's size, "" (not at all), "add": bytes added apart}), segments of more than 4 alike
+    pixels as loops of two ({"op": "loop", "n": iterations, "body": two pixels}), pointer
+    adjustments after a loop ({"op": "adj", "d": bytes})."""
+    step = lw * p["SW"]
+
+    def px(valid, delta):
+        item = {"op": "px", "valid": valid, "post": "", "add": 0, "seg": i}
+        if delta is None or delta == 0:
+            pass
+        elif delta == step and valid:
+            item["post"] = "s"
+        elif valid and delta == lw * len(valid):
+            item["post"] = delta
+        else:
+            item["add"] = delta
+        return item
+    first = [v[0] if v else 0 for _, _, v in segs]
+    row = []
+    for i, (ox0, ox1, valid) in enumerate(segs):
+        end = lw * (p["SW"] + first[i + 1] - first[i]) if i + 1 < len(segs) else None
+        n = ox1 - ox0
+        if n <= 4:
+            row += [px(valid, step if j < n - 1 else end) for j in range(n)]
+            continue
+        row.append({"op": "loop", "n": n // 2, "body": [px(valid, step), px(valid, step)]})
+        if n % 2:
+            row.append(px(valid, end))
+        elif end is not None and end != step:
+            row.append({"op": "adj", "d": end - step})
+    return row, first[0]
+
+
+def _lanes_cheaper(p: dict, lanes: dict, groups: int) -> bool:
+    """Whether the lanes form is estimated to take fewer instructions than the planes (rpi4's
+    exact counts: per 16 outputs 3 T + 4 G + 24 on planes, plus about 150 a channel; in lanes,
+    per pixel and block KH + 2 T + 2 (G_low + G_high) + 21 (edge pixels fewer), per block and 16
+    pixels about 36 for each transpose, 100 a block; blocks of 8 channels KH + T + 2 G + 12 and
+    20. KWS's 3x3 layers, 64 channels on 25x5: planes 45.5 K, lanes 29.8 K; VWW's 8 channels on
+    48x48: planes 89.6 K, 16 lanes 101.2 K (half of them idle), 8 lanes 79.1 K)."""
+    taps = p["KH"] * p["KW"]
+    hp, wp, _, _ = dw_geometry(p)
+    planes = p["C"] * (-(-p["OH"] * wp // 16) * (3 * taps + 4 * groups + 24) + 150)
+    g = max(len(lo) + len(hi) for lo, hi in lanes["BGROUPS"])
+    half = lanes["LW"] == 8                  # one half: SMULL only, 2 accumulators, half the transposes
+    per_block = (lanes["OHW"] * (p["KH"] + (1 if half else 2) * taps + 2 * g + (12 if half else 21))
+                 + (20 if half else 36) * (-(-lanes["HW"] // 16) + -(-lanes["OHW"] // 16)) + 100)
+    return lanes["NB"] * per_block < planes
+
+
+def _select_dw_lanes(g: ir.Graph, step: int, k: Kernel, isa: str, q: Q8, w: np.ndarray, ln: dict) -> Kernel:
+    """The lanes form of the SMULL-pair depthwise kernel (dw_lanes): weights [NB][T][16] int8,
+    bias and requantisation scale per channel, 16 to a block; scratch: the [pixel][16] outputs,
+    256 bytes for the transposes, a copy of the last block's planes where a plane is shorter
+    than a vector (its 16-byte loads would run past the input), the interleaved plane."""
+    p = dict(k.params)
+    taps, nb, lw = p["KH"] * p["KW"], ln["NB"], ln["LW"]
+    zx_loop = p["ZX"] if p["zp_in_loop"] else 0
+    wt = np.zeros((nb * lw, taps), np.int64)
+    wt[:p["C"]] = w
+    consts = {}
+    wdat = wt.reshape(nb, lw, taps).transpose(0, 2, 1).astype(np.int8)
+    wname = new_const(g, consts, k.args[1] + "_" + isa.replace("-", "_"), wdat.reshape(-1))
+    _, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], p["C"], nb * lw)
+    # bias per block: the interior pixels', then each edge class's, whose taps outside the image
+    # are not computed: their products with the input zero point (as the kernel holds it) added
+    bias = np.zeros(nb * lw, np.int64)
+    bias[:p["C"]] = _channel_bias(g, k, q, w, zx_loop, p["TX"])
+    zxv = p["ZX"] + act_offset(q, p["TX"], zx_loop)[0]
+    tab = [bias] + [bias + zxv * wt[:, cl].sum(axis=1) for cl in ln["CLASSES"]]
+    bdat = np.stack(tab).reshape(len(tab), nb, lw).transpose(1, 0, 2)            # [NB][1 + classes][LW]
+    bname = new_const(g, consts, k.args[-1] + "_bias_" + isa.replace("-", "_"), wrap32(bdat.reshape(-1)))
+    tb = ln["OBPIX"] * lw
+    guard = _round_up(lw * ln["HW"] + 16, 16) if ln["HW"] < 16 else 0
+    ln.update(TB=tb, GD=tb + 256, BUF=tb + 256 + guard)
+    p.update(algo="qconv2d_dw", q8_isa=isa, FLAVOUR=q.flavour, DWL=ln, TAPS=taps, ZXL=zx_loop)
+    scratch = ln["BUF"] + lw * ln["NPIX"]
+    args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
+    kinds = len(ln["BGROUPS"])
+    desc = (f"[qconv2d_dw {isa}{_tag(q)} lanes {nb} x {lw} channels, {kinds} tap grouping{'s' if kinds > 1 else ''}] "
+            f"{k.desc}")
+    return Kernel("qconv2d_dw", k.dtype, p, args, _round_up(scratch, 64), desc, consts=consts, scratch_dtype="int32")
+
+
 def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     q = get_isa(isa).q8
@@ -657,6 +875,11 @@ def select_qconv_dw(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kern
     lanes = 4 * q.lanes if q.flavour in ("mlal", "dot") else 2 * q.lanes
     zx_loop = p["ZX"] if p["zp_in_loop"] else 0
     w = _conv_weights(g, k)                                   # [C][taps]
+    form = os.environ.get("TINYDEPLOY_DW_FORM", "")           # lanes | planes (tests, experiments)
+    pq = _pairs(q, k, w) if q.flavour == "mlal" and form != "planes" else None
+    ln = dw_lanes(p, w) if pq is not None else None
+    if ln is not None and (form == "lanes" or ((p["C"] >= 16 or ln["LW"] == 8) and _lanes_cheaper(p, ln, len(dw_groups(w))))):
+        return _select_dw_lanes(g, step, k, isa, pq, w, ln)
     if q.flavour == "mlal" and _round_up(p["OH"] * wp, lanes) > lanes:
         q = _pairs(q, k, w) or q    # int8 weights without -128: SMULL pairs on byte planes (but for one vector a channel)
     rows = dw_rows(p, q.flavour)

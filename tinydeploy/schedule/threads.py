@@ -39,6 +39,8 @@ def parallel_blocks(k: Kernel) -> int:
         return -(-p["M"] // p["MR"]) * (cols // p["NR"])
     if f == "conv2d_gemmt":
         return -(-p["M"] // p["NR"]) * -(-p["P"] // p["MR"])
+    if f == "qconv2d_dw" and "DWL" in p:           # blocks of 16 channels (q8.dw_lanes)
+        return p["N"] * p["DWL"]["NB"]
     return p["N"] * p["M"] if f in ("conv2d_dw", "qconv2d_dw") else 1
 
 

@@ -119,7 +119,9 @@ def state(key: str) -> str:
     build keys: a reused build must have been made with the same database."""
     path = db_path(key)
     h = hashlib.sha256(json.dumps([os.environ.get("TINYDEPLOY_ALGO", ""), os.environ.get("TINYDEPLOY_TILE", ""),
-                                   _FORCED.get()], sort_keys=True).encode())
+                                   _FORCED.get()] + ([os.environ["TINYDEPLOY_DW_FORM"]]       # (schedule/q8.py)
+                                                     if os.environ.get("TINYDEPLOY_DW_FORM") else []),
+                                  sort_keys=True).encode())
     try:
         h.update(path.read_bytes() if path is not None else b"off")
     except OSError:
