@@ -300,9 +300,11 @@ def test_aarch64_igemm_stride2_rows_bit_exact(dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
-    """Cortex-A72: a 1x1 layer with K = 8 (one k-group of 16 SMULL pairs half empty) takes the
-    SMLAL GEMM even with symmetric weights, K = 16 the SMULL pairs; the same bits."""
+def test_aarch64_small_k_keeps_smlal(dtype, tmp_path, monkeypatch):
+    """Cortex-A72's GEMM (forced: qconv2d_lanes takes these layers by default): a 1x1 layer with
+    K = 8 (one k-group of 16 SMULL pairs half empty) takes the SMLAL GEMM even with symmetric
+    weights, K = 16 the SMULL pairs; the same bits."""
+    monkeypatch.setenv("TINYDEPLOY_ALGO", "qconv2d_gemm")
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     lo, hi = qrange(dtype)
@@ -319,7 +321,8 @@ def test_aarch64_small_k_keeps_smlal(dtype, tmp_path):
 def _pointwise_chain(tmp_path, dtype, seed, weights, chans, hw, zps):
     """Three 1x1 layers chans[0] -> chans[1] (Relu) -> chans[2] -> chans[3] over hw pixels, the
     input and the two inner outputs at zero points zps, run on rpi4 under qemu-aarch64 with two
-    input seeds, bit for bit against the exact reference: (model path, td_kernels.c)."""
+    input seeds, bit for bit against the exact reference: (model path, td_kernels.c). On the
+    GEMM (TINYDEPLOY_ALGO=qconv2d_gemm): qconv2d_lanes would take the layers of short K."""
     require("aarch64-linux-gnu-gcc")
     require("qemu-aarch64")
     hi = qrange(dtype)[1]
@@ -329,9 +332,11 @@ def _pointwise_chain(tmp_path, dtype, seed, weights, chans, hw, zps):
     x, xs = requant(conv(x, xs, c1, c2, (1, 1)), 0.05, zps[2])
     y = conv(x, xs, c2, c3, (1, 1))
     path = save(b.model([("x", dtype, [1, c0, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)]), tmp_path)
-    for s in (0, 1):
-        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=s)
-        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TINYDEPLOY_ALGO", "qconv2d_gemm")
+        for s in (0, 1):
+            res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=s)
+            assert res["exact_reference"]["identical"] and res["outputs_match"], res
     return path, (tmp_path / "b" / "td_kernels.c").read_text()
 
 
