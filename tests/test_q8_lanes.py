@@ -21,7 +21,7 @@ import pytest
 from test_q8_winograd import _zp
 from test_quantized import QDQ, qrange
 from tinydeploy import flow
-from tinydeploy.schedule import q8lanes
+from tinydeploy.schedule import q8, q8lanes
 from util import require, save
 
 # (C, H, W, M, kernel, strides, pads (top, left, bottom, right), x zero point, weights, act, auto)
@@ -119,8 +119,8 @@ def test_aarch64_lanes_bit_exact(dtype, tmp_path, monkeypatch):
 def test_int16_groups():
     """The build-time bound of a tap group (127 P + 128 N <= 32767, 128 P + 127 N <= 32768) at its
     edge, and the groups of 3 or more taps it makes (others alone; none with a -128)."""
-    assert q8lanes.int16_exact([127, 127, 2]) and not q8lanes.int16_exact([127, 127, 3])
-    assert q8lanes.int16_exact([-127, -127, -1]) and not q8lanes.int16_exact([-127, -127, -2])
+    assert q8.int16_exact([127, 127, 2]) and not q8.int16_exact([127, 127, 3])
+    assert q8.int16_exact([-127, -127, -1]) and not q8.int16_exact([-127, -127, -2])
     g = q8lanes.tap_groups(np.array(EDGE))
     assert g == [[[0, 1, 2], [3, 4, 5, 6, 7]], [[0, 1, 3], [2, 4, 5, 6, 7]], [[0, 1, 4, 5], [2], [3]]]
     assert q8lanes.tap_groups(np.array([[-128, 1, 1, 1]])) is None

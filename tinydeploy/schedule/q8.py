@@ -626,21 +626,30 @@ def dw_s2(p: dict) -> dict | None:
     return {"NR": nr, "RQ": rq, "QW": qw, "QLEN": rq * qw + 64, "NWP": nwp, "CH": ch}
 
 
+def int16_exact(w) -> bool:
+    """Whether sum(w_i x_i) over int8 weights (the last axis of w; every row of a [C][T] w) lies in
+    int16 for every x_i in [-128, 127], so that int16 lanes may sum the products (wrapping on the
+    way: the true sum is in range, so the wrapped one is it): at most 127 P + 128 N and at least
+    -(128 P + 127 N), P and N the sums of the positive weights and of the negatives' magnitudes.
+    The one home of this bound (the depthwise tap groups here, qconv2d_lanes' groups in q8lanes)."""
+    w = np.asarray(w, np.int64)
+    pos, neg = np.maximum(w, 0).sum(-1), np.maximum(-w, 0).sum(-1)
+    return bool(np.all(127 * pos + 128 * neg <= 32767) and np.all(128 * pos + 127 * neg <= 32768))
+
+
 def dw_groups(w: np.ndarray) -> list[list[int]]:
     """The SMULL-pair depthwise kernel's taps in groups whose int8 products it sums in int16: pairs
     (no weight is -128: |w x + w' x'| <= 2 * 127 * 128 < 2^15), and for an odd count the triple
-    whose sum stays in int16 for every channel and every input (127 P + 128 N <= 32767 and
-    128 P + 127 N <= 32768, P and N the sums of its positive weights and of the negatives'
-    magnitudes; the least largest P + N), else the last tap alone."""
+    whose sum stays in int16 for every channel and every input (int16_exact; the least largest
+    sum of |w|), else the last tap alone."""
     taps = w.shape[1]
     pairs = [list(range(t, min(t + 2, taps))) for t in range(0, taps, 2)]
     if taps % 2 == 0 or taps < 3:
         return pairs
     best = None
     for tri in itertools.combinations(range(taps), 3):
-        pos, neg = np.maximum(w[:, tri], 0).sum(1), np.maximum(-w[:, tri], 0).sum(1)
-        if np.all(127 * pos + 128 * neg <= 32767) and np.all(128 * pos + 127 * neg <= 32768):
-            size = int((pos + neg).max())
+        if int16_exact(w[:, tri]):
+            size = int(np.abs(w[:, tri]).sum(1).max())
             if best is None or size < best[0]:
                 best = (size, list(tri))
     if best is None:
@@ -651,16 +660,12 @@ def dw_groups(w: np.ndarray) -> list[list[int]]:
 
 def _int16_safe(w: np.ndarray) -> np.ndarray:
     """[2^T] bool: whether the taps of each subset (bit t: tap t) may sum their int8 products in
-    int16 for every channel of w ([C][T] int8 weights, no -128) and every input byte (signed,
-    |v| <= 128): 127 P + 128 N <= 32767 and 128 P + 127 N <= 32768, P and N the sums of the
-    subset's positive weights and of the negatives' magnitudes (the bound of dw_groups)."""
+    int16 for every channel of w ([C][T] int8 weights, no -128) and every input byte (signed):
+    int16_exact."""
     taps = w.shape[1]
-    pos, neg = np.maximum(w, 0), np.maximum(-w, 0)
     ok = np.zeros(1 << taps, bool)
     for m in range(1, 1 << taps):
-        sel = [t for t in range(taps) if m >> t & 1]
-        ps, ns = pos[:, sel].sum(1), neg[:, sel].sum(1)
-        ok[m] = bool(np.all(127 * ps + 128 * ns <= 32767) and np.all(128 * ps + 127 * ns <= 32768))
+        ok[m] = int16_exact(w[:, [t for t in range(taps) if m >> t & 1]])
     return ok
 
 

@@ -31,7 +31,7 @@ the input zero point, and the bias absorbs the rest: b_k = b' - zx_loop * sum(w)
 is the reference's, as for the dot product's offsets in q8.py). Products of int16 x int16 widened
 into int32 never saturate. A group's products are summed in int16 lanes, which wrap: exact
 because the build proves, per group, that the true sum lies in int16 for every activation
-(int16_exact: x in [-128, 127], so uint8 activations are moved by -128 (x ^ 0x80) in the grouped
+(q8.int16_exact: x in [-128, 127], so uint8 activations are moved by -128 (x ^ 0x80) in the grouped
 form and the bias takes 128 sum(w)); the wrapped int16 sum is then the true one, and SADDW widens
 it exactly.
 
@@ -59,7 +59,7 @@ import numpy as np
 from tinydeploy.ops import Kernel
 from tinydeploy.ops.registry import new_const, scratch_arg
 from tinydeploy.schedule.cost import _round_up
-from tinydeploy.schedule.q8 import _conv_weights, dw_geometry, q8_isa, requant_scales, wrap32
+from tinydeploy.schedule.q8 import _conv_weights, dw_geometry, int16_exact, q8_isa, requant_scales, wrap32
 from tinydeploy.targets.isa import get_isa
 
 K_MAX = 40                  # SMLAL form: the taps in registers, K * NPX / 8 int16 vectors (NPX 4: 20)
@@ -67,15 +67,6 @@ GK_MAX = 64                 # grouped form: 4 passes of 16 taps
 # tap groups: the output channels unrolled, up to M * K taps (about 35 KB of code a layer at most,
 # within Cortex-A72's 48 KB instruction cache; VWW's 128 x 64 layer 13 would take twice that)
 GROUP_MAX = 4096
-
-
-def int16_exact(w) -> bool:
-    """Whether sum(w_i x_i) over int8 weights w lies in int16 for every x_i in [-128, 127]: at most
-    127 P + 128 N and at least -(128 P + 127 N) (P, N the sums of the positive weights and of
-    the negative ones' magnitudes)."""
-    w = np.asarray(w, np.int64)
-    pos, neg = int(w[w > 0].sum()), int(-w[w < 0].sum())
-    return 127 * pos + 128 * neg <= 32767 and 128 * pos + 127 * neg <= 32768
 
 
 def tap_groups(w: np.ndarray, base: int = 0) -> list[list[list[int]]] | None:
