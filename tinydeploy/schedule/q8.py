@@ -60,6 +60,11 @@ qdense_packed.c.j2; the ISA pieces in _q8.j2):
   qconv2d_winograd  3x3 stride-1 one-group layers as an exact integer Winograd F(2x2, 3x3) where
                  the ISA's descriptor asks for it (Q8.winograd) and the weights prove it exact:
                  schedule/q8wino.py (select_kernels asks it before select_q8).
+  qconv2d_lanes  one-group layers of short K (up to 64 taps) on Cortex-A72's NEON (mlal) with
+                 the output pixels in the vector lanes, the activation rows read in place and
+                 the output channels unrolled (taps in int16 groups where int16_exact proves
+                 them): schedule/q8lanes.py (asked after the Winograd, before select_q8, for
+                 single-thread builds).
   qdense_packed  fully connected: output columns in the vector lanes (weights packed at build
                  time [N/NRD][KGN][NRD][KG], int8 kept int8 and widened as loaded), the input
                  row broadcast a k-group at a time, the requantisation per column in registers.
