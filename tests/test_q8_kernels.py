@@ -848,3 +848,76 @@ def test_dw_groups_int16_bound():
     w = np.full((1, 9), 127, np.int64)
     w[0, 4:7] = [1, -2, 3]
     assert dw_groups(w) == [[4, 5, 6], [0, 1], [2, 3], [7, 8]]
+
+
+def _x86_pointwise(dtype, weights, zps, over: bool = False):
+    """Two 1x1 layers 30 -> 24 (Relu) -> 20 over 7 x 5 pixels (K = 30 and 24: a tail of a k-group of
+    4, then whole ones), the input and inner zero points at zps; pairs of the second layer's
+    weights at vpmaddubsw's bound (+127 and +1, -128 and 0: 255 * 128 = 32640), or with `over`
+    one of them one over it (+127 and +2: 255 * 129 > 32767)."""
+    hi = qrange(dtype)[1]
+    b, conv, requant, _ = _chain_layers(dtype, 5, weights)
+    x, xs = requant(conv(b.dq("x", 0.05, zps[0], dtype), 0.05, 30, 24, (1, 1), act="relu"), 0.04, zps[1])
+    y = conv(x, xs, 24, 20, (1, 1))
+    m = b.model([("x", dtype, [1, 30, 7, 5])], [(b.q(y, 0.1, hi - 4, dtype), dtype)])
+    w = next(t for t in m.graph.initializer if t.data_type == onnx.TensorProto.INT8 and list(t.dims[:2]) == [20, 24])
+    a = onnx.numpy_helper.to_array(w).copy()
+    a[7, 10:12, 0, 0] = [127, 2 if over else 1]
+    a[3, 20:22, 0, 0] = [-128, 0]
+    w.CopyFrom(onnx.numpy_helper.from_array(a, w.name))
+    return m
+
+
+def _x86_build_exact(path, isa, tmp_path, seeds=(0, 1)) -> str:
+    b = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    specs = flow.io_specs(b.summary, "inputs")
+    out_specs = [(s, d) for _, s, d in flow.io_specs(b.summary, "outputs")]
+    for seed in seeds:
+        x = reference.random_inputs(specs, seed)
+        got, _ = LocalRunner().run(b.exe, [x[n] for n, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"{isa} seed {seed}", lsb_scales=b.summary.get("output_lsb"))
+    return src
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", ["avx2", "avx512bw"])
+def test_x86_maddubs_bit_exact(isa, dtype, tmp_path, monkeypatch):
+    """x86 without VNNI: layers whose int8 weights keep every vpmaddubsw pair sum within int16
+    (here all in [-63, 63]) take the dot flavour by vpmaddubsw + vpmaddwd(ones) + vpaddd, bit for bit
+    against the exact reference: the chain's 3x3 stride-2 im2col, 5x5 and grouped layers and its
+    fully connected layer (K = 175: a tail), and 1x1 layers with K tails, with zero points at both
+    ends of the range."""
+    _x86_host(isa, monkeypatch, [isa])
+    lo, hi = qrange(dtype)
+    mul = "_mm256_maddubs_epi16(" if isa == "avx2" else "_mm512_maddubs_epi16("
+    src = _x86_build_exact(save(chain_model(dtype, weights="small"), tmp_path), isa, tmp_path)
+    assert mul in src and "qdense_packed " + isa + " maddubs" in src
+    assert "qconv2d_gemm " + isa + " maddubs" in src
+    for i, zps in enumerate([(lo, hi, lo), (hi, lo, hi)]):
+        (tmp_path / str(i)).mkdir()
+        src = _x86_build_exact(save(_x86_pointwise(dtype, "small", zps), tmp_path / str(i)), isa, tmp_path / str(i))
+        assert src.count("qconv2d_gemm " + isa + " maddubs") == 2, src
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_x86_maddubs_one_over_the_bound_keeps_madd(dtype, tmp_path, monkeypatch):
+    """One pair of weights one over vpmaddubsw's bound (255 * 129 > 32767) keeps that layer on the
+    exact vpmaddwd kernels (the other layer takes vpmaddubsw); both bit for bit."""
+    _x86_host("avx2", monkeypatch, ["avx2"])
+    lo, hi = qrange(dtype)
+    src = _x86_build_exact(save(_x86_pointwise(dtype, "small", (lo, hi, lo), over=True), tmp_path), "avx2", tmp_path)
+    assert src.count("qconv2d_gemm avx2 maddubs") == 1 and src.count("qconv2d_gemm avx2 ") == 2, src
+
+
+def test_maddubs_pair_bound():
+    """q8.ubs_exact: pairs (k = 2j, 2j + 1) of u8 x s8 products within int16: 255 * positive sum
+    <= 32767, 255 * negative magnitude <= 32768; the pairs of a k-group of 4 are (0, 1) and (2, 3)."""
+    from tinydeploy.schedule.q8 import ubs_exact
+    ok = [[127, 1], [-128, 0], [-64, -64], [64, 64], [127, 0, 2, 0], [-128, 127, -128, 127], [1, 2, 3]]
+    over = [[127, 2], [-128, -1], [-65, -64], [65, 64], [0, 0, 127, 2], [0, 0, 0, 0, 100, 29]]
+    for w in ok:
+        assert ubs_exact(np.array([w], np.int8)), w
+    for w in over:
+        assert not ubs_exact(np.array([w], np.int8)), w
+    assert not ubs_exact(np.zeros((0, 4), np.int8))

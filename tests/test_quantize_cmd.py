@@ -32,6 +32,24 @@ def test_quantize_reports_accuracy_on_held_out_samples(fmt, tmp_path):
     assert ("QLinearConv" in ops) == (fmt == "qoperator") and ("QuantizeLinear" in ops)
 
 
+@pytest.mark.parametrize("reduce", [False, True], ids=["full", "reduce-range"])
+def test_reduce_range_gives_7_bit_weights(reduce, tmp_path):
+    """--reduce-range: onnxruntime's 7-bit weights, every int8 weight in [-64, 64] (its symmetric
+    weights reach +64: any two of them sum to at most 128 in magnitude, 255 * 128 <= 32767, which
+    lets x86 without VNNI multiply by vpmaddubsw exactly); without it the weights use the full range."""
+    m = mlperf_model("kws_dscnn_fp32.onnx")
+    np.savez(tmp_path / "cal.npz", **make_calibration.make(str(m), n=6, seed=0))
+    r = tdq(m, "--calibration", tmp_path / "cal.npz", "-o", tmp_path / "q.onnx", "--json",
+            *(["--reduce-range"] if reduce else []), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["reduce_range"] is reduce
+    g = onnx.load(tmp_path / "q.onnx").graph
+    weights = [onnx.numpy_helper.to_array(t) for t in g.initializer if t.data_type == onnx.TensorProto.INT8]
+    assert weights
+    lo, hi = min(int(w.min()) for w in weights), max(int(w.max()) for w in weights)
+    assert (-64 <= lo and hi <= 64) if reduce else (lo < -64 or hi > 63)
+
+
 def test_calibration_folder_of_single_samples(tmp_path):
     m = mlperf_model("ad_autoencoder_fp32.onnx")
     data = make_calibration.make(str(m), n=6, seed=1)

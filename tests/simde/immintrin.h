@@ -119,10 +119,12 @@ static inline simde__m128i td_simde_mm512_cvtepi32_epi8(simde__m512i a)
 #define _mm512_loadu_ps simde_mm512_loadu_ps
 #define _mm512_loadu_si512 simde_mm512_loadu_si512
 #define _mm512_madd_epi16 simde_mm512_madd_epi16
+#define _mm512_maddubs_epi16 simde_mm512_maddubs_epi16
 #define _mm512_max_ps simde_mm512_max_ps
 #define _mm512_min_ps simde_mm512_min_ps
 #define _mm512_mul_ps simde_mm512_mul_ps
 #define _mm512_packs_epi32 simde_mm512_packs_epi32
+#define _mm512_set1_epi16 simde_mm512_set1_epi16
 #define _mm512_set1_epi32 simde_mm512_set1_epi32
 #define _mm512_set1_ps simde_mm512_set1_ps
 #define _mm512_storeu_si512 simde_mm512_storeu_si512

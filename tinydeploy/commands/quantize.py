@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--activations", choices=["uint8", "int8"], default="uint8")
     p.add_argument("--weights", choices=["uint8", "int8"], default="int8")
     p.add_argument("--per-channel", action="store_true")
+    p.add_argument("--reduce-range", action="store_true",
+                   help="7-bit weights (onnxruntime's reduce_range): exact vpmaddubsw kernels on x86 without VNNI")
     p.add_argument("--method", choices=["minmax", "entropy", "percentile"], default="minmax")
     p.add_argument("--format", choices=["qdq", "qoperator"], default="qdq")
     p.add_argument("--json", action="store_true")
@@ -30,6 +32,7 @@ def main(args, ctx: Context) -> int:
         raise TinydeployError(f"{printable(str(out))} exists; choose another -o (tinydeploy never overwrites "
                               "your files)")
     r = q.quantize(args.model, args.calibration, out, args.activations, args.weights, args.per_channel,
-                   args.method, args.format, quiet=args.json, max_weights_bytes=ctx.max_weights_bytes)
+                   args.method, args.format, quiet=args.json, max_weights_bytes=ctx.max_weights_bytes,
+                   reduce_range=args.reduce_range)
     print_json(r) if args.json else q.print_report(r)
     return 0

@@ -109,7 +109,9 @@ def accuracy_report(fp32: Path, quant: Path, samples: list[dict]) -> dict:
 
 def quantize(model, calibration, output, activations: str = "uint8", weights: str = "int8",
              per_channel: bool = False, method: str = "minmax", fmt: str = "qdq", holdout: float = 0.2,
-             quiet: bool = False, max_weights_bytes=None) -> dict:
+             quiet: bool = False, max_weights_bytes=None, reduce_range: bool = False) -> dict:
+    """reduce_range: onnxruntime's 7-bit weights (int8 in [-64, 64]), which let x86 without VNNI
+    multiply by vpmaddubsw exactly (schedule/q8.py ubs_exact)."""
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quant_pre_process, quantize_static)
     model, output = Path(model), Path(output)
@@ -144,7 +146,7 @@ def quantize(model, calibration, output, activations: str = "uint8", weights: st
         try:
             quantize_static(str(pre), str(output), Reader(),
                             quant_format=QuantFormat.QDQ if fmt == "qdq" else QuantFormat.QOperator,
-                            per_channel=per_channel, activation_type=qtype[activations], weight_type=qtype[weights],
+                            per_channel=per_channel, reduce_range=reduce_range, activation_type=qtype[activations], weight_type=qtype[weights],
                             calibrate_method=getattr(CalibrationMethod, METHODS[method]))
         except TinydeployError:
             raise
@@ -152,14 +154,15 @@ def quantize(model, calibration, output, activations: str = "uint8", weights: st
             raise TinydeployError(f"onnxruntime's quantiser failed: {printable(str(e).splitlines()[0] if str(e) else type(e).__name__, 200)}") from None
     report = accuracy_report(model, output, held)
     report.update(model=model.name, output=str(output), format=fmt, activations=activations, weights=weights,
-                  per_channel=per_channel, method=method, calibration_samples=len(calib),
+                  per_channel=per_channel, reduce_range=reduce_range, method=method, calibration_samples=len(calib),
                   held_out=bool(n_hold))
     return report
 
 
 def print_report(r: dict) -> None:
     print(f"{printable(r['model'])} -> {printable(r['output'])}: {r['format']}, activations {r['activations']}, "
-          f"weights {r['weights']}{' per channel' if r['per_channel'] else ''}, {r['method']} calibration "
+          f"weights {r['weights']}{' per channel' if r['per_channel'] else ''}"
+          f"{' reduce-range (7-bit)' if r.get('reduce_range') else ''}, {r['method']} calibration "
           f"on {r['calibration_samples']} samples")
     where = "held-out" if r["held_out"] else "calibration (too few samples to hold any out)"
     line = f"accuracy vs FP32 on {r['samples']} {where} samples: max abs error {r['max_abs_error']:.4g}, " \

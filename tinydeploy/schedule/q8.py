@@ -15,6 +15,13 @@ descriptor says how it multiplies exactly:
         b_k = b' - (zx_loop + off) * sum(w) over every tap (int32 arithmetic wraps; the true
         accumulator fits, quant.fit_int32 proved it, so the wrapped sum is the reference's)
   mlal  int16 x int16 products widened into int32 lanes (Arm SMLAL by lane), activations as madd.
+  maddubs  (a "dot" descriptor, Q8.maddubs) the im2col GEMM and fully connected layer of a madd
+        ISA where the layer's int8 weights prove vpmaddubsw's saturating int16 pair sums exact
+        (ubs_exact, checked here at build time: 255 * a pair's positive weights <= 32767, 255 *
+        its negative magnitudes <= 32768; e.g. 7-bit weights, `quantize --reduce-range`) and K
+        wastes at most an eighth of its k-groups of 4: dot's packing, activations and bias, with
+        vpdpbusd done by vpmaddubsw + vpmaddwd(ones) + vpaddd (3 instructions per 32 (ymm) products
+        where vpmaddwd's widened int16 pairs take 4).
   smull the im2col GEMM of an mlal ISA where the layer's int8 weights hold no -128 (Q8.pairs,
         checked here at build time) and K fills 7/8 of its k-groups of 16 or more: int8 x int8
         products in int16 (SMULL), two summed (SMLAL2; |pair| <= 2 * 127 * 128 < 2^15), pairs of
@@ -190,10 +197,35 @@ def _tile(q: Q8, rows: int, cols: int, kgn: int = 0) -> tuple[int, int]:
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
+def ubs_exact(w: np.ndarray, kgroup: int = 4) -> bool:
+    """Whether vpmaddubsw sums every pair of this layer's products exactly: u8 activations
+    (0..255) times the int8 weights of a pair (k = 2 j, 2 j + 1 of the packed k-groups of 4;
+    zero weights past K) add up in saturating int16, which cannot saturate where
+    255 * (sum of the pair's positive weights) <= 32767 and 255 * (sum of its negative weights'
+    magnitudes) <= 32768, for every output channel and pair. w: [M][K] int8 weights (in the
+    packed order of K)."""
+    if not w.size:
+        return False
+    a = np.zeros((w.shape[0], _round_up(w.shape[1], kgroup)), np.int64)
+    a[:, :w.shape[1]] = w
+    a = a.reshape(len(a), -1, 2)
+    pos, neg = np.clip(a, 0, None).sum(axis=2), np.clip(-a, 0, None).sum(axis=2)
+    return 255 * int(pos.max()) <= 32767 and 255 * int(neg.max()) <= 32768
+
+
+def pairs_exact(pq: Q8, w: np.ndarray) -> bool:
+    """Whether the pairs flavour `pq` multiplies these int8 weights ([M][K]) exactly: SMULL pairs
+    where no weight is -128 (no (-128) x (-128) product), vpmaddubsw where ubs_exact proves its
+    saturating int16 pair sums cannot saturate."""
+    if pq.maddubs:
+        return ubs_exact(w, pq.kgroup)
+    return bool(w.size) and int(w.min()) > -128
+
+
 def _pairs(q: Q8, k: Kernel, w: np.ndarray) -> Q8 | None:
-    """The ISA's `pairs` flavour (SMULL pairs) where this layer's weights allow it: int8 with no
-    -128 (checked here, at build time), else None."""
-    if q.pairs is not None and k.params["TW"] in q.pairs.weights and w.size and int(w.min()) > -128:
+    """The ISA's `pairs` flavour (SMULL pairs, vpmaddubsw) where this layer's weights allow it
+    (pairs_exact, checked here at build time), else None."""
+    if q.pairs is not None and k.params["TW"] in q.pairs.weights and pairs_exact(q.pairs, w):
         return q.pairs
     return None
 
@@ -326,8 +358,8 @@ def smull_wide_quad_pays(cols: int, kk: int, nr: int, quad: bool) -> bool:
 
 
 def _tag(q: Q8) -> str:
-    """What a kernel's description adds for a layer on the ISA's SMULL-pairs flavour."""
-    return " smull" if q.flavour == "smull" else ""
+    """What a kernel's description adds for a layer on the ISA's pairs flavour (SMULL, vpmaddubsw)."""
+    return " smull" if q.flavour == "smull" else " maddubs" if q.maddubs else ""
 
 
 def _group_bytes(q: Q8) -> int:
@@ -489,7 +521,7 @@ def select_qconv_igemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> K
     w = _conv_weights(g, k)                                             # [M][C * taps]
     q = get_isa(isa).q8
     pq = _pairs(q, k, w)
-    if pq is not None and -(-p["C"] // pq.kgroup) * pq.kgroup * 4 <= 5 * p["C"]:
+    if pq is not None and pq.flavour == "smull" and -(-p["C"] // pq.kgroup) * pq.kgroup * 4 <= 5 * p["C"]:
         q = pq                  # SMULL pairs where the channel groups of 16 waste <= 1/4
     kg = q.kgroup
     hp, wp, phases, offs = dw_geometry(p)

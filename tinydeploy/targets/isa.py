@@ -26,7 +26,11 @@ class Q8:
     KxK one-group convolutions take the implicit GEMM over padded planes rather than im2col
     (schedule/q8.py igemm_fits says which); `pairs`: the descriptor of the im2col GEMM for layers
     whose int8 weights hold no -128 (flavour "smull", Arm SMULL + SMLAL2 + SADALP: two int8
-    products summed in int16, exact because no pair is (-128) x (-128); 16 k values per step)."""
+    products summed in int16, exact because no pair is (-128) x (-128); 16 k values per step), or
+    on x86 without VNNI the "dot" flavour by vpmaddubsw (`maddubs`: u8 x s8 pairs summed in
+    saturating int16, then vpmaddwd by ones and vpaddd: 3 instructions per 32 products where
+    vpmaddwd takes 4 with the widening) for layers whose every pair of packed weights proves the
+    pair sum within int16 (schedule/q8.py pairs_exact)."""
     flavour: str
     kgroup: int
     lanes: int
@@ -52,6 +56,9 @@ class Q8:
     # its QAdd kernel runs in int32 lanes where constants reproduce the reference on every input
     # pair (quant.params.qadd_int32, searched at build time by schedule/q8.py select_qadd)
     qadd_int32: bool = False
+    # "dot" by vpmaddubsw + vpmaddwd(ones) + vpaddd in place of vpdpbusd (the pairs flavour of the
+    # madd ISAs: exact only where schedule/q8.py ubs_exact proves it for the layer's weights)
+    maddubs: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,16 @@ class ISA:
 # repeated): ResNet-50 (uint8) 3x3 stride-1 layers 1.89 -> 1.41 ms (56x56), 1.81 -> 1.26, 1.94 ->
 # 1.25, 2.42 -> 1.24 ms (7x7); IC int8 301 -> 261 us (its 16-channel layers equal, 32 and 64
 # channels 51 -> 36 and 44 -> 25 us)
-_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128, winograd=True)
-_Q8_MADD_ZMM = Q8("madd", 2, 16, ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15),
-                                  (8, 16, 1.25)), dense=64)
+# vpmaddubsw (avx2): 6x16 against 4x16, measured on an AVX2 host (bench --layers, ResNet-50 uint8 made
+# by quantize --reduce-range, one run each): its 1x1 and 3x3 stride-2 GEMM layers 0.82-0.94 of 4x16's
+# time (layer3.1.conv1 773 -> 653 us, layer4.0.conv2 2393 -> 2002 us), the 7x7 first layer (K = 147)
+# 1.12 (1639 -> 1842 us); those 40 layers 41.4 -> 35.7 ms
+_Q8_UBS_YMM = Q8("dot", 4, 8, ((6, 16, 1.0), (4, 16, 1.16)), dense=32, weights=("int8_t",), fit_cols=128,
+                 maddubs=True)
+_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128, winograd=True, pairs=_Q8_UBS_YMM)
+_Q8_ZMM_TILES = ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15), (8, 16, 1.25))
+_Q8_UBS_ZMM = Q8("dot", 4, 16, _Q8_ZMM_TILES, dense=64, weights=("int8_t",), maddubs=True)
+_Q8_MADD_ZMM = Q8("madd", 2, 16, _Q8_ZMM_TILES, dense=64, pairs=_Q8_UBS_ZMM)
 _Q8_DOT_ZMM = Q8("dot", 4, 16, _Q8_MADD_ZMM.tiles, dense=64, weights=("int8_t",))
 _Q8_DOT_YMM = Q8("dot", 4, 8, _Q8_MADD_YMM.tiles, dense=32, weights=("int8_t",))
 # Cortex-A: the implicit GEMM, by exact instruction counts under qemu-aarch64 (IC int8: rpi4
