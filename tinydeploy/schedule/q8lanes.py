@@ -152,10 +152,11 @@ def select_q8lanes(g, step: int, k: Kernel, target, force: str) -> Kernel | None
     p = dict(k.params)
     if p["G"] != 1:
         return None
-    form = grouped(p, _conv_weights(g, k))
+    w = _conv_weights(g, k)                                    # [M][K]
+    form = grouped(p, w)
     if not fits(p, form) or not preferred(p, force, form):
         return None
-    return select(g, step, k, isa)
+    return select(g, step, k, isa, w)
 
 
 def im2col_rows(p: dict, offs: list[int], pls: int, wpl: int) -> tuple[list[dict], list[int]]:
@@ -187,9 +188,9 @@ def im2col_rows(p: dict, offs: list[int], pls: int, wpl: int) -> tuple[list[dict
     return ext, [ext[e]["off"] + ry * ow for e, ry in tap_row]
 
 
-def select(g, step: int, k: Kernel, isa: str) -> Kernel:
+def select(g, step: int, k: Kernel, isa: str, w: np.ndarray) -> Kernel:
+    """The qconv2d_lanes kernel of a layer select_q8lanes chose; w its weights [M][K]."""
     p = dict(k.params)
-    w = _conv_weights(g, k)                                    # [M][K]
     m, kk = p["M"], w.shape[1]
     mp = _round_up(m, 2)                # two output channels a step: a last odd one with a zero one
     wpad = np.zeros((mp, kk), np.int64)
