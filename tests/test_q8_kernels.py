@@ -850,11 +850,12 @@ def test_dw_groups_int16_bound():
     assert dw_groups(w) == [[4, 5, 6], [0, 1], [2, 3], [7, 8]]
 
 
-def _x86_pointwise(dtype, weights, zps, over: bool = False):
+def _x86_pointwise(dtype, weights, zps, over: bool = False, crowd: bool = False):
     """Two 1x1 layers 30 -> 24 (Relu) -> 20 over 7 x 5 pixels (K = 30 and 24: a tail of a k-group of
     4, then whole ones), the input and inner zero points at zps; pairs of the second layer's
     weights at vpmaddubsw's bound (+127 and +1, -128 and 0: 255 * 128 = 32640), or with `over`
-    one of them one over it (+127 and +2: 255 * 129 > 32767)."""
+    one of them one over it (+127 and +2: 255 * 129 > 32767), or with `crowd` 13 of a row's 24
+    weights at +127 (every pairing of the 24 puts two of them together)."""
     hi = qrange(dtype)[1]
     b, conv, requant, _ = _chain_layers(dtype, 5, weights)
     x, xs = requant(conv(b.dq("x", 0.05, zps[0], dtype), 0.05, 30, 24, (1, 1), act="relu"), 0.04, zps[1])
@@ -864,6 +865,8 @@ def _x86_pointwise(dtype, weights, zps, over: bool = False):
     a = onnx.numpy_helper.to_array(w).copy()
     a[7, 10:12, 0, 0] = [127, 2 if over else 1]
     a[3, 20:22, 0, 0] = [-128, 0]
+    if crowd:
+        a[5, :13, 0, 0] = 127
     w.CopyFrom(onnx.numpy_helper.from_array(a, w.name))
     return m
 
@@ -901,13 +904,69 @@ def test_x86_maddubs_bit_exact(isa, dtype, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_x86_maddubs_one_over_the_bound_keeps_madd(dtype, tmp_path, monkeypatch):
-    """One pair of weights one over vpmaddubsw's bound (255 * 129 > 32767) keeps that layer on the
-    exact vpmaddwd kernels (the other layer takes vpmaddubsw); both bit for bit."""
+def test_x86_maddubs_over_the_bound(dtype, tmp_path, monkeypatch):
+    """One pair of weights one over vpmaddubsw's bound (255 * 129 > 32767): that layer takes
+    vpmaddubsw with K in another order (q8.ubs_order); a row whose weights no order can pair
+    within the bound keeps that layer on the exact vpmaddwd kernels (the other layer takes
+    vpmaddubsw in its own order); all bit for bit."""
     _x86_host("avx2", monkeypatch, ["avx2"])
     lo, hi = qrange(dtype)
-    src = _x86_build_exact(save(_x86_pointwise(dtype, "small", (lo, hi, lo), over=True), tmp_path), "avx2", tmp_path)
-    assert src.count("qconv2d_gemm avx2 maddubs") == 1 and src.count("qconv2d_gemm avx2 ") == 2, src
+    for crowd in (False, True):
+        d = tmp_path / str(crowd)
+        d.mkdir()
+        src = _x86_build_exact(save(_x86_pointwise(dtype, "small", (lo, hi, lo), over=True, crowd=crowd), d), "avx2", d)
+        assert src.count("qconv2d_gemm avx2 ") == 2, src
+        assert src.count("qconv2d_gemm avx2 maddubs") == 1 + (not crowd), src
+        assert src.count("K reordered") == (not crowd), src
+
+
+def _x86_im2col_spread(dtype):
+    """Three im2col layers of 64 output channels a group or more, weights "spread" (+127 at k = 0
+    beside weights of up to 20: pairs over vpmaddubsw's bound in K's own order): 3x3 stride 2
+    asymmetrically padded (K = 45, a tail), 5x5 padded to an odd M (K = 1600), 3x3 in 2 groups
+    of 64 (K = 297)."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 4, "spread")
+    x, xs = b.dq("x", 0.05, lo, dtype), 0.05
+    x, xs = requant(conv(x, xs, 5, 64, (3, 3), (2, 2), (1, 0, 2, 1), act="relu"), 0.04, hi)
+    x, xs = requant(conv(x, xs, 64, 66, (5, 5), pads=(2, 2, 2, 2)), 0.05, lo + 3)
+    y = conv(x, xs, 66, 128, (3, 3), pads=(0, 1, 1, 1), group=2)
+    return b.model([("x", dtype, [1, 5, 11, 10])], [(b.q(y, 0.1, 0, dtype), dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", ["avx2", "avx512bw"])
+def test_x86_maddubs_in_another_order_of_k(isa, dtype, tmp_path, monkeypatch):
+    """Weights whose pairs break vpmaddubsw's bound in their own order of K but not in another
+    (q8.ubs_order): im2col layers of 64 output channels a group or more take vpmaddubsw reading
+    K's columns in that order (3x3 stride 2 padded, 5x5, grouped 3x3), bit for bit against the
+    exact reference; the chain's narrower im2col layers keep vpmaddwd (the reordered gather would
+    cost more than the tile saves), as does the fully connected layer (not reordered)."""
+    _x86_host(isa, monkeypatch, [isa])
+    src = _x86_build_exact(save(_x86_im2col_spread(dtype), tmp_path), isa, tmp_path)
+    for layer in ("3x3 stride 2x2: 5x11x10", "5x5 stride 1x1: 64x", "grouped 3x3 stride 1x1: 66x"):
+        assert re.search(rf"qconv2d_gemm {isa} maddubs \d+x\d+ K reordered [^]]*\] {layer}", src), layer
+    (tmp_path / "chain").mkdir()
+    src = _x86_build_exact(save(chain_model(dtype, weights="spread"), tmp_path / "chain"), isa, tmp_path / "chain")
+    assert "K reordered" not in src and f"qdense_packed {isa} maddubs" not in src, src
+
+
+def test_maddubs_order_of_k():
+    """q8.ubs_order: an order of K in which ubs_exact holds where one exists (an odd last column
+    with K's zero padding), the same order for the same weights, None where every pairing puts
+    two weights of one sign over the bound together."""
+    from tinydeploy.schedule.q8 import ubs_exact, ubs_order
+    rng = np.random.default_rng(0)
+    w = rng.integers(-30, 31, (16, 40))
+    w[:, 0:2], w[:, 6:8] = 127, -128               # bad pairs in their own order
+    w[3, 10:20] = 100
+    assert not ubs_exact(w)
+    order = ubs_order(w)
+    assert order is not None and sorted(order) == list(range(40)) and ubs_exact(w[:, order])
+    assert np.array_equal(order, ubs_order(w.copy()))
+    assert ubs_order(np.array([[127, 1, 127]])) is not None
+    for bad in ([[127, 127, 127]], [[-128, -1, -128, -1]], [[127] * 13 + [0] * 11]):
+        assert ubs_order(np.array(bad)) is None, bad
 
 
 def test_maddubs_pair_bound():
