@@ -979,3 +979,103 @@ def test_maddubs_pair_bound():
     for w in over:
         assert not ubs_exact(np.array([w], np.int8)), w
     assert not ubs_exact(np.zeros((0, 4), np.int8))
+
+
+# ---- 8-bit max pooling (qpool2d_simd.c.j2: avx2, avx512bw, neon) ---------------------------------
+
+# name: (input shape, MaxPool attributes, output: "same" scale and zero point (the clamp only),
+# "relu" (the same, clamped at the zero point), "rescaled" (requantised)); widths with and without
+# tails of a 16-, 32- and 64-byte vector, below a vector, asymmetric pads, ceil_mode; stride 3 and
+# dilation keep the reference
+POOL_CASES = {
+    "stem": ([1, 3, 23, 37], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "same"),
+    "s2-w70": ([1, 2, 9, 70], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "same"),
+    "2x2-w130": ([1, 2, 11, 130], dict(kernel_shape=[2, 2], strides=[2, 2]), "same"),
+    "s1-w33": ([1, 3, 9, 33], dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1]), "same"),
+    "2x2-s1-small": ([1, 2, 5, 7], dict(kernel_shape=[2, 2], strides=[1, 1], pads=[0, 1, 1, 0]), "same"),
+    "asym-w64": ([1, 2, 17, 64], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[2, 0, 1, 2]), "same"),
+    "ceil": ([1, 2, 8, 19], dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1), "same"),
+    "s21": ([1, 2, 9, 41], dict(kernel_shape=[3, 2], strides=[2, 1], pads=[1, 0, 1, 1]), "same"),
+    "s12-w50": ([1, 2, 6, 50], dict(kernel_shape=[2, 2], strides=[1, 2]), "same"),
+    "relu": ([1, 2, 10, 45], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "relu"),
+    "rescaled": ([1, 2, 10, 40], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "rescaled"),
+    "stride3": ([1, 2, 9, 20], dict(kernel_shape=[3, 3], strides=[3, 3]), "same"),
+    "dilated": ([1, 2, 9, 20], dict(kernel_shape=[2, 2], strides=[1, 2], dilations=[2, 2]), "same"),
+}
+POOL_REF = {"stride3", "dilated"}
+
+
+def pool_model(dtype):
+    """Every POOL_CASES pooling in one model, each on an input of its own."""
+    lo, hi = qrange(dtype)
+    b = QDQ(13)
+    inputs, outputs = [], []
+    for name, (shape, attrs, out) in POOL_CASES.items():
+        nm = name.replace("-", "_")
+        zx = lo + 60
+        y = b.node("MaxPool", [b.dq(nm, 0.02, zx, dtype)], **attrs)
+        if out == "relu":
+            y = b.node("Relu", [y])
+        yq = b.q(y, 0.013 if out == "rescaled" else 0.02, lo + 9 if out == "rescaled" else zx, dtype)
+        inputs.append((nm, dtype, shape))
+        outputs.append((yq, dtype))
+    return b.model(inputs, outputs)
+
+
+def _pool_src_check(src: str, dtype, isa: str) -> None:
+    t = "s8" if dtype == np.int8 else "u8"
+    assert src.count(f"qpool2d {t} ({isa})") == len(POOL_CASES) - len(POOL_REF)
+    assert src.count(f"qpool2d {t} (ref)") == len(POOL_REF)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", ["avx2", "avx512bw"])
+def test_x86_qpool_bit_exact(isa, dtype, tmp_path, monkeypatch):
+    """pool_model on each x86 variant: bit for bit, the inputs random and at both ends of the range
+    (the padding's minimum and the clamps)."""
+    _x86_host(isa, monkeypatch, isas=[isa, "avx2"])
+    path = save(pool_model(dtype), tmp_path)
+    bd = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
+    _pool_src_check((tmp_path / "b" / "td_kernels.c").read_text(), dtype, isa)
+    specs = flow.io_specs(bd.summary, "inputs")
+    out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
+    lo, hi = qrange(dtype)
+    for seed in (0, 1):
+        x = reference.random_inputs(specs, seed)
+        if seed == 1:       # mostly the type's ends: windows of the minimum only, maxima at the top
+            rng = np.random.default_rng(seed)
+            x = {n: rng.choice([lo, lo, lo, lo + 1, hi], size=s).astype(d) for n, s, d in specs}
+        got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"qpool {isa} seed {seed}", lsb_scales=bd.summary.get("output_lsb"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_qpool_bit_exact(dtype, tmp_path):
+    """pool_model under qemu-aarch64 (Cortex-A72, NEON): bit for bit."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(pool_model(dtype), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    _pool_src_check((tmp_path / "b" / "td_kernels.c").read_text(), dtype, "neon")
+
+
+@pytest.mark.parametrize("cc, sanitize", [("clang", False), ("gcc", True)])     # (no ASan runtime for clang here)
+def test_x86_qadd_qpool_clang_and_sanitizers(cc, sanitize, tmp_path, monkeypatch):
+    """The int32-lane Add (its 3059 values: a tail) and every pool_model case, AVX2, with clang at
+    -Werror, and with gcc under ASan/UBSan (the row buffers, the last vectors ending at a row's
+    end, the tails): bit for bit."""
+    from util import SANITIZE
+    require(cc)
+    _x86_host("avx2", monkeypatch)
+    for name, model in (("add", add_model("relu", np.uint8, 3059)), ("pool", pool_model(np.int8))):
+        path = save(model, tmp_path, f"{name}.onnx")
+        bd = flow.build(path, "host", tmp_path / name, quiet=True, cc=cc, extra_cflags=SANITIZE if sanitize else [])
+        src = (tmp_path / name / "td_kernels.c").read_text()
+        assert "(avx2)" in src and ("_mm256_mullo_epi32(" in src or name == "pool")
+        specs = flow.io_specs(bd.summary, "inputs")
+        out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
+        x = reference.random_inputs(specs, 4)
+        got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"{name} {cc} sanitize={sanitize}", lsb_scales=bd.summary.get("output_lsb"))

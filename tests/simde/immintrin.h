@@ -144,6 +144,16 @@ static inline simde__m512i td_simde_mm512_srai_epi32(simde__m512i a, int n)
 #define _mm512_srai_epi32 td_simde_mm512_srai_epi32
 #define _mm512_min_epi32 simde_mm512_min_epi32
 #define _mm512_max_epi32 simde_mm512_max_epi32
+/* 8-bit max pooling (qpool2d_simd.c.j2, avx512bw) */
+#define _mm512_max_epu8 simde_mm512_max_epu8
+#define _mm512_max_epi8 simde_mm512_max_epi8
+#define _mm512_min_epu8 simde_mm512_min_epu8
+#define _mm512_min_epi8 simde_mm512_min_epi8
+#define _mm512_shuffle_epi8 simde_mm512_shuffle_epi8
+#define _mm512_permutex2var_epi64 simde_mm512_permutex2var_epi64
+#define _mm512_set1_epi8 simde_mm512_set1_epi8
+#define _mm512_set_epi64 simde_mm512_set_epi64
+#define _mm512_broadcast_i32x4 simde_mm512_broadcast_i32x4
 /* AVX-VNNI's vpdpbusd is AVX512-VNNI's on 256 bits */
 #define _mm256_dpbusd_avx_epi32 simde_mm256_dpbusd_epi32
 #endif
