@@ -16,7 +16,7 @@ import pytest
 
 from test_cortex_m_kernels import _add_model, _conv_model, _dense_model, _f32_conv_model
 from test_fast_kernels import conv_model, dense_model, use_host
-from test_q8_kernels import chain_model
+from test_q8_kernels import chain_model, pool_model
 from tinydeploy import targets
 from tinydeploy.codegen import kernels as kreg
 from tinydeploy.errors import TinydeployError
@@ -98,12 +98,18 @@ def test_every_registered_variant_renders_its_isa(tmp_path, monkeypatch):
         mp.setitem(targets.TARGETS, "host", lambda: dataclasses.replace(targets.host(), isas=["avx2"]))
         compile_model(q8, get_target("host"), board="host")
     add = _save(_add_model((1, 8, 4, 5), (1, 8, 4, 5), -128, 4, -128, 0.05, 0.11, 0.12), tmp_path, "add")
-    for isa in ("avx512", "avx2"):                          # qadd in double precision (x86)
+    for isa in ("avx512", "avx2"):                          # qadd in int32 lanes (x86)
         with monkeypatch.context() as mp:
             mp.setitem(targets.TARGETS, "host", lambda isa=isa: dataclasses.replace(targets.host(), isas=[isa, "avx2"]))
             compile_model(add, get_target("host"), board="host")
     compile_model(_save(_add_model((1, 8, 4, 5), (1, 8, 4, 5), -128, 4, -128, 0.05, 0.11, 0.12), tmp_path, "add"),
                   rpi4, board="rpi4")
+    pool = _save(pool_model(np.uint8), tmp_path, "pool")         # 8-bit max pooling
+    for isa in ("avx512bw", "avx2"):
+        with monkeypatch.context() as mp:
+            mp.setitem(targets.TARGETS, "host", lambda isa=isa: dataclasses.replace(targets.host(), isas=[isa, "avx2"]))
+            compile_model(pool, get_target("host"), board="host")
+    compile_model(pool, rpi4, board="rpi4")
 
     m4 = boards.get_board("mps2-an386").make_target()
     for i, model in enumerate([_conv_model(C=16, M=16, H=6, W=6, k=(1, 1)),

@@ -774,48 +774,106 @@ def test_threads_bit_exact(tmp_path):
     assert "omp parallel" in src and "qconv2d_dw_" in src and "qconv2d_gemm_" in src
 
 
-# ---- quantised Add (qadd_simd.c.j2: exact in double precision) ----------------------------------
+# ---- quantised Add (qadd_simd.c.j2: int32 lanes where qadd_int32 finds constants, else double) ----
 
-ADD_FORMS = {"plain": (0.05, 0.07, 0.09, False), "relu": (0.051, 0.023, 0.037, True),
-             "ties": (0.5, 0.25, 1.0, False),          # quarters and halves: exact .5 ties everywhere
-             "scales-1000x": (0.1, 1e-4, 0.08, False), "saturating": (0.5, 0.5, 0.01, False)}
+# form: (scales a, b, y, relu, zero points a, b, y as offsets from the type's low end (negative:
+# from its high end), whether select_qadd finds int32 constants)
+ADD_FORMS = {"plain": (0.05, 0.07, 0.09, False, (1, -3, 130), True),
+             "relu": (0.051, 0.023, 0.037, True, (1, -3, 130), True),
+             "ties": (0.5, 0.25, 1.0, False, (1, -3, 130), False),   # quarters and halves: exact .5 ties everywhere
+             "scales-1000x": (0.1, 1e-4, 0.08, False, (1, -3, 130), False),
+             "saturating": (0.5, 0.5, 0.01, False, (1, -3, 130), True),
+             "zp-ends": (0.031, 0.047, 0.043, False, (0, -1, 0), True),        # zero points at both ends
+             "zp-ends-relu": (0.2, 0.0013, 0.11, True, (-1, 0, 0), True)}
+# 105 elements: 3 blocks of 32 (AVX2 int32) and 9, none of 64 (AVX-512 int32); 13 of 8 and 1 (AVX2
+# double), 6 of 16 and 9; 3059: 95 blocks of 32 and 19, 47 of 64 and 51
+ADD_SHAPES = {105: [1, 3, 5, 7], 3059: [1, 7, 19, 23]}
 
 
-def add_model(form, dtype):
-    """A same-shape Add of 105 elements (13 blocks of 8 and one element; 6 of 16 and 9)."""
+def add_model(form, dtype, size=105):
+    """A same-shape Add of `size` elements (ADD_SHAPES)."""
     lo, hi = qrange(dtype)
-    sa, sb, sy, relu = ADD_FORMS[form]
+    sa, sb, sy, relu, zps, _ = ADD_FORMS[form]
+    za, zb, zy = (lo + z if z >= 0 else hi + 1 + z for z in zps)
     b = QDQ(11)
-    y = b.node("Add", [b.dq("a", sa, lo + 1, dtype), b.dq("b", sb, hi - 2, dtype)])
+    y = b.node("Add", [b.dq("a", sa, za, dtype), b.dq("b", sb, zb, dtype)])
     if relu:
         y = b.node("Relu", [y])
-    yq = b.q(y, sy, (lo + hi) // 2 + 3, dtype)
-    shape = [1, 3, 5, 7]
+    yq = b.q(y, sy, zy, dtype)
+    shape = ADD_SHAPES[size]
     return b.model([("a", dtype, shape), ("b", dtype, shape)], [(yq, dtype)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("form", list(ADD_FORMS))
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_x86_qadd_bit_exact(isa, form, dtype, tmp_path, monkeypatch):
+@pytest.mark.parametrize("isa, lanes", [("avx2", "auto"), ("avx512", "auto"), ("avx2", "double"), ("avx512", "double")])
+def test_x86_qadd_bit_exact(isa, lanes, form, dtype, tmp_path, monkeypatch):
     """add_model, the output written over an input (the planner's in-place Add), on each x86
-    variant: bit for bit."""
+    variant and both sizes: bit for bit. int32 lanes where qadd_int32 finds constants (the forms
+    with exact ties or a tiny ratio find none), double lanes where it finds none or is made to
+    find none (lanes "double")."""
+    from tinydeploy.schedule import q8
     _x86_host(isa, monkeypatch, isas=[isa, "avx2"])
-    path = save(add_model(form, dtype), tmp_path)
-    bd = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
-    assert f"qadd {'s8' if dtype == np.int8 else 'u8'} ({isa})" in (tmp_path / "b" / "td_kernels.c").read_text()
-    specs = flow.io_specs(bd.summary, "inputs")
-    out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
+    if lanes == "double":
+        monkeypatch.setattr(q8, "qadd_int32", lambda *a: None)
     lo, hi = qrange(dtype)
-    for seed in (0, 1, 2):
-        x = reference.random_inputs(specs, seed)
-        if seed == 2:       # pairs (a, b) of a grid over the whole range: both ends, exact halves
-            grid = np.arange(lo, hi + 1, 17)
-            aa, bb = np.meshgrid(grid, grid)
-            for k, (nm, s, d) in enumerate(specs):
-                x[nm] = np.resize((aa if k == 0 else bb).reshape(-1), int(np.prod(s))).reshape(s).astype(d)
-        got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
-        check_8bit(path, x, got, label=f"qadd {isa} {form} seed {seed}", lsb_scales=bd.summary.get("output_lsb"))
+    for size in ADD_SHAPES:
+        path = save(add_model(form, dtype, size), tmp_path)
+        bd = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc", force=True)
+        src = (tmp_path / "b" / "td_kernels.c").read_text()
+        assert f"qadd {'s8' if dtype == np.int8 else 'u8'} ({isa})" in src
+        int32 = ADD_FORMS[form][-1] and lanes == "auto"
+        assert ("_mullo_epi32(" in src) == int32 and ("_pd(" in src) == (not int32)
+        specs = flow.io_specs(bd.summary, "inputs")
+        out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
+        for seed in (0, 1, 2):
+            x = reference.random_inputs(specs, seed)
+            if seed == 2:       # pairs (a, b) of a grid over the whole range: both ends, exact halves
+                grid = np.arange(lo, hi + 1, 17 if size < 1000 else 1)
+                aa, bb = np.meshgrid(grid, grid[::-1] if size < 1000 else grid[::7])
+                for k, (nm, s, d) in enumerate(specs):
+                    x[nm] = np.resize((aa if k == 0 else bb).reshape(-1), int(np.prod(s))).reshape(s).astype(d)
+            got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
+            check_8bit(path, x, got, label=f"qadd {isa} {lanes} {form} {size} seed {seed}",
+                       lsb_scales=bd.summary.get("output_lsb"))
+
+
+def test_x86_qadd_broadcast_keeps_reference(tmp_path, monkeypatch):
+    """A broadcasting Add renders no x86 variant: the reference, bit for bit."""
+    _x86_host("avx2", monkeypatch)
+    path = tmp_path / "m.onnx"
+    onnx.save(_add_model(**ADD_CASES["broadcast"][0]), str(path))
+    res = flow.run(path, "host", outdir=tmp_path / "b", quiet=True, latency=False, seed=3)
+    assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    src = (tmp_path / "b" / "td_kernels.c").read_text()
+    assert "qadd s8 (ref)" in src and "_mm256_" not in src
+
+
+def test_qadd_int32_folded_same_arithmetic():
+    """quant.params.qadd_int32_folded gives, for any constants (shifts 1..30, both signs, wrapping
+    sums) and every input pair, the same y as qadd_int32's arithmetic (written here once more)."""
+    from tinydeploy.quant.params import qadd_int32_folded
+
+    def wrap(v, bits):
+        return (v + (1 << (bits - 1))) % (1 << bits) - (1 << (bits - 1))
+    rng = np.random.default_rng(5)
+    for ta, ty in (("int8", "uint8"), ("uint8", "int8"), ("uint8", "uint8"), ("int8", "int8")):
+        a = np.arange(*{"int8": (-128, 128), "uint8": (0, 256)}[ta], dtype=np.int64)[:, None]
+        b = np.arange(-128, 128, dtype=np.int64)[None, :] + (128 if ta == "uint8" else 0)
+        tlo, thi = qrange(np.dtype(ty))
+        for sp in (1, 7, 15, 16, 17, 21, 30):
+            for _ in range(3):
+                ma2, mb2 = (int(v) for v in rng.integers(-2 ** 31 + 1, 2 ** 31, 2) >> int(rng.integers(0, 12)))
+                ka, kb, c16 = (int(v) for v in rng.integers(-2 ** 15, 2 ** 15, 3))
+                lo, hi = sorted(int(v) for v in rng.integers(tlo, thi + 1, 2))
+                p = wrap((a - ka) * ma2 + (b - kb) * mb2, 32)
+                t = wrap(wrap(p >> min(sp, 16), 16) + c16, 16) >> max(sp - 16, 0)
+                want = np.clip(np.clip(t, tlo, thi), lo, hi)
+                ma3, mb3, k3, sh = qadd_int32_folded((ma2, mb2, ka, kb, c16, sp))
+                assert all(-2 ** 31 <= v < 2 ** 31 for v in (ma3, mb3, k3)) and sh == max(sp, 16)
+                r = wrap(a * ma3 + b * mb3 + k3, 32) >> sh
+                assert r.min() >= -2 ** 15 and r.max() < 2 ** 15
+                assert np.array_equal(np.clip(np.clip(r, tlo, thi), lo, hi), want), (ta, ty, sp)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -980,3 +1038,103 @@ def test_maddubs_pair_bound():
     for w in over:
         assert not ubs_exact(np.array([w], np.int8)), w
     assert not ubs_exact(np.zeros((0, 4), np.int8))
+
+
+# ---- 8-bit max pooling (qpool2d_simd.c.j2: avx2, avx512bw, neon) ---------------------------------
+
+# name: (input shape, MaxPool attributes, output: "same" scale and zero point (the clamp only),
+# "relu" (the same, clamped at the zero point), "rescaled" (requantised)); widths with and without
+# tails of a 16-, 32- and 64-byte vector, below a vector, asymmetric pads, ceil_mode; stride 3 and
+# dilation keep the reference
+POOL_CASES = {
+    "stem": ([1, 3, 23, 37], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "same"),
+    "s2-w70": ([1, 2, 9, 70], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "same"),
+    "2x2-w130": ([1, 2, 11, 130], dict(kernel_shape=[2, 2], strides=[2, 2]), "same"),
+    "s1-w33": ([1, 3, 9, 33], dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1]), "same"),
+    "2x2-s1-small": ([1, 2, 5, 7], dict(kernel_shape=[2, 2], strides=[1, 1], pads=[0, 1, 1, 0]), "same"),
+    "asym-w64": ([1, 2, 17, 64], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[2, 0, 1, 2]), "same"),
+    "ceil": ([1, 2, 8, 19], dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1), "same"),
+    "s21": ([1, 2, 9, 41], dict(kernel_shape=[3, 2], strides=[2, 1], pads=[1, 0, 1, 1]), "same"),
+    "s12-w50": ([1, 2, 6, 50], dict(kernel_shape=[2, 2], strides=[1, 2]), "same"),
+    "relu": ([1, 2, 10, 45], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "relu"),
+    "rescaled": ([1, 2, 10, 40], dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]), "rescaled"),
+    "stride3": ([1, 2, 9, 20], dict(kernel_shape=[3, 3], strides=[3, 3]), "same"),
+    "dilated": ([1, 2, 9, 20], dict(kernel_shape=[2, 2], strides=[1, 2], dilations=[2, 2]), "same"),
+}
+POOL_REF = {"stride3", "dilated"}
+
+
+def pool_model(dtype):
+    """Every POOL_CASES pooling in one model, each on an input of its own."""
+    lo, hi = qrange(dtype)
+    b = QDQ(13)
+    inputs, outputs = [], []
+    for name, (shape, attrs, out) in POOL_CASES.items():
+        nm = name.replace("-", "_")
+        zx = lo + 60
+        y = b.node("MaxPool", [b.dq(nm, 0.02, zx, dtype)], **attrs)
+        if out == "relu":
+            y = b.node("Relu", [y])
+        yq = b.q(y, 0.013 if out == "rescaled" else 0.02, lo + 9 if out == "rescaled" else zx, dtype)
+        inputs.append((nm, dtype, shape))
+        outputs.append((yq, dtype))
+    return b.model(inputs, outputs)
+
+
+def _pool_src_check(src: str, dtype, isa: str) -> None:
+    t = "s8" if dtype == np.int8 else "u8"
+    assert src.count(f"qpool2d {t} ({isa})") == len(POOL_CASES) - len(POOL_REF)
+    assert src.count(f"qpool2d {t} (ref)") == len(POOL_REF)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", ["avx2", "avx512bw"])
+def test_x86_qpool_bit_exact(isa, dtype, tmp_path, monkeypatch):
+    """pool_model on each x86 variant: bit for bit, the inputs random and at both ends of the range
+    (the padding's minimum and the clamps)."""
+    _x86_host(isa, monkeypatch, isas=[isa, "avx2"])
+    path = save(pool_model(dtype), tmp_path)
+    bd = flow.build(path, "host", tmp_path / "b", quiet=True, cc="gcc")
+    _pool_src_check((tmp_path / "b" / "td_kernels.c").read_text(), dtype, isa)
+    specs = flow.io_specs(bd.summary, "inputs")
+    out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
+    lo, hi = qrange(dtype)
+    for seed in (0, 1):
+        x = reference.random_inputs(specs, seed)
+        if seed == 1:       # mostly the type's ends: windows of the minimum only, maxima at the top
+            rng = np.random.default_rng(seed)
+            x = {n: rng.choice([lo, lo, lo, lo + 1, hi], size=s).astype(d) for n, s, d in specs}
+        got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"qpool {isa} seed {seed}", lsb_scales=bd.summary.get("output_lsb"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aarch64_qpool_bit_exact(dtype, tmp_path):
+    """pool_model under qemu-aarch64 (Cortex-A72, NEON): bit for bit."""
+    require("aarch64-linux-gnu-gcc")
+    require("qemu-aarch64")
+    path = save(pool_model(dtype), tmp_path)
+    for seed in (0, 1):
+        res = flow.run(path, "rpi4", outdir=tmp_path / "b", quiet=True, latency=False, emulate=True, seed=seed)
+        assert res["exact_reference"]["identical"] and res["outputs_match"], res
+    _pool_src_check((tmp_path / "b" / "td_kernels.c").read_text(), dtype, "neon")
+
+
+@pytest.mark.parametrize("cc, sanitize", [("clang", False), ("gcc", True)])     # (no ASan runtime for clang here)
+def test_x86_qadd_qpool_clang_and_sanitizers(cc, sanitize, tmp_path, monkeypatch):
+    """The int32-lane Add (its 3059 values: a tail) and every pool_model case, AVX2, with clang at
+    -Werror, and with gcc under ASan/UBSan (the row buffers, the last vectors ending at a row's
+    end, the tails): bit for bit."""
+    from util import SANITIZE
+    require(cc)
+    _x86_host("avx2", monkeypatch)
+    for name, model in (("add", add_model("relu", np.uint8, 3059)), ("pool", pool_model(np.int8))):
+        path = save(model, tmp_path, f"{name}.onnx")
+        bd = flow.build(path, "host", tmp_path / name, quiet=True, cc=cc, extra_cflags=SANITIZE if sanitize else [])
+        src = (tmp_path / name / "td_kernels.c").read_text()
+        assert "(avx2)" in src and ("_mm256_mullo_epi32(" in src or name == "pool")
+        specs = flow.io_specs(bd.summary, "inputs")
+        out_specs = [(s, d) for _, s, d in flow.io_specs(bd.summary, "outputs")]
+        x = reference.random_inputs(specs, 4)
+        got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
+        check_8bit(path, x, got, label=f"{name} {cc} sanitize={sanitize}", lsb_scales=bd.summary.get("output_lsb"))

@@ -88,6 +88,15 @@ static inline simde__m128i td_simde_mm512_cvtepi32_epi8(simde__m512i a)
     return _mm_loadu_si128((const __m128i *)b);
 }
 
+/* vpsrad by an immediate (SIMDe 0.7.4 lacks it): both halves by the native AVX2 shift by count */
+static inline simde__m512i td_simde_mm512_srai_epi32(simde__m512i a, int n)
+{
+    simde__m512i_private p = simde__m512i_to_private(a);
+    p.m256i[0] = _mm256_sra_epi32(p.m256i[0], _mm_cvtsi32_si128(n));
+    p.m256i[1] = _mm256_sra_epi32(p.m256i[1], _mm_cvtsi32_si128(n));
+    return simde__m512i_from_private(p);
+}
+
 #define __m512d simde__m512d
 #define _mm512_cvtepi8_epi32 td_simde_mm512_cvtepi8_epi32
 #define _mm512_cvtepu8_epi32 td_simde_mm512_cvtepu8_epi32
@@ -130,6 +139,21 @@ static inline simde__m128i td_simde_mm512_cvtepi32_epi8(simde__m512i a)
 #define _mm512_storeu_si512 simde_mm512_storeu_si512
 #define _mm512_unpackhi_epi16 simde_mm512_unpackhi_epi16
 #define _mm512_unpacklo_epi16 simde_mm512_unpacklo_epi16
+/* quantised Add in int32 lanes (qadd_simd.c.j2 I32X) */
+#define _mm512_mullo_epi32 simde_mm512_mullo_epi32
+#define _mm512_srai_epi32 td_simde_mm512_srai_epi32
+#define _mm512_min_epi32 simde_mm512_min_epi32
+#define _mm512_max_epi32 simde_mm512_max_epi32
+/* 8-bit max pooling (qpool2d_simd.c.j2, avx512bw) */
+#define _mm512_max_epu8 simde_mm512_max_epu8
+#define _mm512_max_epi8 simde_mm512_max_epi8
+#define _mm512_min_epu8 simde_mm512_min_epu8
+#define _mm512_min_epi8 simde_mm512_min_epi8
+#define _mm512_shuffle_epi8 simde_mm512_shuffle_epi8
+#define _mm512_permutex2var_epi64 simde_mm512_permutex2var_epi64
+#define _mm512_set1_epi8 simde_mm512_set1_epi8
+#define _mm512_set_epi64 simde_mm512_set_epi64
+#define _mm512_broadcast_i32x4 simde_mm512_broadcast_i32x4
 /* AVX-VNNI's vpdpbusd is AVX512-VNNI's on 256 bits */
 #define _mm256_dpbusd_avx_epi32 simde_mm256_dpbusd_epi32
 #endif

@@ -150,7 +150,7 @@ def _interior(p: dict) -> dict:
     oy = span(p["OH"], p["SH"], p["DH"], p["KH"], p["PT"], p["H"])
     ox = span(p["OW"], p["SW"], p["DW"], p["KW"], p["PL"], p["W"])
     return {"OY_LO": oy[0], "OY_HI": oy[1], "OX_LO": ox[0], "OX_HI": ox[1],
-            "FAST": oy[1] > oy[0] and ox[1] > ox[0] and p["W"] <= POOL_ROW_MAX}
+            "FAST": oy[1] > oy[0] and ox[1] > ox[0] and p["W"] <= POOL_ROW_MAX, "ROW_MAX": POOL_ROW_MAX}
 
 
 def _qpool(node: ir.Node, g: ir.Graph) -> Kernel:

@@ -146,6 +146,28 @@ def qadd_int32(ta: str, tb: str, ty: str, za: int, zb: int, zy: int, ma: int, mb
     return None
 
 
+def qadd_int32_folded(c: tuple[int, int, int, int, int, int]) -> tuple[int, int, int, int]:
+    """qadd_int32's constants c = (ma', mb', ka, kb, c16, s') folded into one int32 expression
+    (qadd_simd.c.j2's int32 form): (MA, MB, K, SH) with
+        y = clamp(((a MA + b MB + K) mod 2^32) >> SH, type's range, then lo..hi)
+    the same y as qadd_int32's arithmetic for every a, b (so, by its exhaustive check, the
+    reference's). Why, with p = (a - ka) ma' + (b - kb) mb' = a ma' + b mb' - (ka ma' + kb mb')
+    modulo 2^32 (products distribute over the ring):
+      s' >= 16: adding c16 2^16 modulo 2^32 adds c16 to the high half modulo 2^16, which is
+                (p >> 16) + c16 modulo 2^16 = t; then t >> (s' - 16) = p'' >> s'.
+      s' < 16:  (p + c16 2^s') >> s' = (p >> s') + c16, and a wrap of 2^32 moves it by a multiple of
+                2^(32 - s'), of 2^16: t is its low 16 bits; multiplying everything by 2^(16 - s')
+                (modulo 2^32) puts those bits at 16..31, so t = p'' >> 16.
+    Either way the result of the shift lies in int16, as t did."""
+    ma2, mb2, ka, kb, c16, sp = c
+
+    def wrap32(x: int) -> int:
+        return (x + (1 << 31)) % (1 << 32) - (1 << 31)
+    up = 1 << max(16 - sp, 0)
+    k = -(ka * ma2 + kb * mb2) + c16 * (1 << min(sp, 16))
+    return wrap32(ma2 * up), wrap32(mb2 * up), wrap32(k * up), max(sp, 16)
+
+
 def _span(dtype) -> tuple[int, int]:
     lo, hi = qrange(dtype)
     return lo, hi + 1

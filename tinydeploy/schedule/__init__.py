@@ -107,7 +107,7 @@ def select_kernels(g: ir.Graph, kernels: list[Kernel | None], target, threads: i
                  or (q8lanes.select_q8lanes(g, step, k, target, force) if threads <= 1 else None)
                  or select_q8(g, step, k, target, force))
         if k is not None and k.family == "qadd":
-            k = select_qadd(k, target)                  # NEON's int32-lane constants
+            k = select_qadd(k, target)                  # int32-lane constants (NEON, x86)
         if k is not None and k.dtype == "f32" and k.family in ("conv2d", "dense"):
             choice = forced if forced is not None else db.get(tuning.layer_signature(k)) if db else None
             if k.family == "conv2d":

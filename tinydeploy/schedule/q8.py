@@ -91,7 +91,7 @@ from tinydeploy.codegen import kernels as kreg
 from tinydeploy.ops import Kernel
 from tinydeploy.ops.registry import new_const, scratch_arg
 from tinydeploy.schedule.cost import IGEMM_MAX_TAPS, _round_up, ranked_tiles
-from tinydeploy.quant.params import qadd_int32
+from tinydeploy.quant.params import qadd_int32, qadd_int32_folded
 from tinydeploy.targets.isa import Q8, get_isa
 
 FAMILIES = ("qconv2d_gemm", "qconv2d_igemm", "qconv2d_dw", "qdense_packed")
@@ -1102,17 +1102,22 @@ def select_qdense(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel
 
 
 def select_qadd(k: Kernel, target) -> Kernel:
-    """A same-shape QAdd on an ISA whose QAdd runs in int32 lanes (Q8.qadd_int32: NEON) gets the
+    """A same-shape QAdd on an ISA whose QAdd runs in int32 lanes (Q8.qadd_int32: NEON, x86) gets the
     constants that reproduce the reference on every input pair (params["I32"]; None: none exist,
     the kernel keeps its 64-bit form). Searched here, where the ISA is known, because the search
     tries all 2^16 input pairs."""
     p = k.params
-    isa = next((i for i in target.isas if kreg.has_variant("qadd", k.dtype, i)), None)
-    q = get_isa(isa).q8 if isa else None
+    isas = list(target.isas)
+    isa = next((i for i in isas if kreg.has_variant("qadd", k.dtype, i)), None)
+    # the chosen ISA's 8-bit descriptor, or where it has none (avx512: its 8-bit kernels are
+    # avx512bw's) that of the ISA after it in the target's list, which it builds on (avx2)
+    q = next((get_isa(i).q8 for i in isas[isas.index(isa):] if get_isa(i).q8 is not None), None) if isa else None
     if q is None or not q.qadd_int32 or len(p["dims"]) != 1 or p["sa"] != [1] or p["sb"] != [1]:
         return k
     types = (p[t][:-2] for t in ("TA", "TB", "TY"))          # "int8_t" -> "int8"
-    k.params = dict(p, I32=qadd_int32(*types, p["ZA"], p["ZB"], p["ZY"], p["MA"], p["MB"], p["S"], p["LO"], p["HI"]))
+    i32 = qadd_int32(*types, p["ZA"], p["ZB"], p["ZY"], p["MA"], p["MB"], p["S"], p["LO"], p["HI"])
+    # I32X: the same constants as one int32 expression (x86, qadd_simd.c.j2)
+    k.params = dict(p, I32=i32, I32X=qadd_int32_folded(i32) if i32 is not None else None)
     return k
 
 

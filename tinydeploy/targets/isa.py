@@ -97,9 +97,13 @@ class ISA:
 # by quantize --reduce-range, one run each): its 1x1 and 3x3 stride-2 GEMM layers 0.82-0.94 of 4x16's
 # time (layer3.1.conv1 773 -> 653 us, layer4.0.conv2 2393 -> 2002 us), the 7x7 first layer (K = 147)
 # 1.12 (1639 -> 1842 us); those 40 layers 41.4 -> 35.7 ms
+# qadd_int32 (avx2, and avx512 through it: qadd_simd.c.j2's int32 lanes), measured on an AVX2 host (bench
+# --layers, ResNet-50 uint8 --reduce-range, interleaved with the double lanes of main): its Adds
+# 372 / 186 / 93 / 47 -> 80 / 39 / 20 / 11 us (256x56x56 ... 2048x7x7); IC int8 0.217 -> 0.207 ms
 _Q8_UBS_YMM = Q8("dot", 4, 8, ((6, 16, 1.0), (4, 16, 1.16)), dense=32, weights=("int8_t",), fit_cols=128,
                  maddubs=True)
-_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128, winograd=True, pairs=_Q8_UBS_YMM)
+_Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128, winograd=True, pairs=_Q8_UBS_YMM,
+                   qadd_int32=True)
 _Q8_ZMM_TILES = ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15), (8, 16, 1.25))
 _Q8_UBS_ZMM = Q8("dot", 4, 16, _Q8_ZMM_TILES, dense=64, weights=("int8_t",), maddubs=True)
 _Q8_MADD_ZMM = Q8("madd", 2, 16, _Q8_ZMM_TILES, dense=64, pairs=_Q8_UBS_ZMM)
