@@ -921,3 +921,40 @@ def test_maddubs_pair_bound():
     for w in over:
         assert not ubs_exact(np.array([w], np.int8)), w
     assert not ubs_exact(np.zeros((0, 4), np.int8))
+
+
+def _trans_model(dtype, weights, hw, zps):
+    """Few pixels (the transposed tile's layers): a 1x1 layer 30 -> 40 (K = 30: a tail of a
+    k-group of 4) over hw, a 3x3 stride-2 layer 40 -> 36 padded asymmetrically (im2col), a 1x1
+    stride-2 layer 36 -> 19 (odd M) and a 1x1 layer 19 -> 21 (K = 19); zero points at zps."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 9, weights)
+    x, xs = requant(conv(b.dq("x", 0.05, zps[0], dtype), 0.05, 30, 40, (1, 1), act="relu"), 0.04, zps[1])
+    x, xs = requant(conv(x, xs, 40, 36, (3, 3), (2, 2), (1, 1, 2, 1)), 0.05, zps[0])
+    x, xs = requant(conv(x, xs, 36, 19, (1, 1), (2, 2)), 0.06, zps[1])
+    y = conv(x, xs, 19, 21, (1, 1))
+    return b.model([("x", dtype, [1, 30, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa, weights, force", [
+    ("avx2", "small", ""), ("avx2", "small", "16x6"), ("avx2", "random", "16x5"),
+    ("avx512bw", "small", "32x6"), ("avx512bw", "random", "16x5")])
+def test_x86_trans_tile_bit_exact(isa, weights, force, dtype, tmp_path, monkeypatch):
+    """The transposed tile (output channels in the vector lanes, pixels broadcast: q8.trans_tile),
+    bit for bit against the exact reference over 7x7 (49 pixels; vpmaddubsw's layers take it by
+    themselves on avx2), 1x1, 1x7 and 17x1 inputs, 1x1 (direct) and 3x3 / 1x1 stride-2 (im2col)
+    layers, K tails, zero points at both ends; "small" weights run vpmaddubsw (maddubs), "random"
+    ones vpmaddwd (madd); forced (TINYDEPLOY_TRANS) elsewhere, avx512bw through SIMDe here."""
+    _x86_host(isa, monkeypatch, [isa])
+    if force:
+        monkeypatch.setenv("TINYDEPLOY_TRANS", force)
+    lo, hi = qrange(dtype)
+    tag = f"qconv2d_gemm {isa}{' maddubs' if weights == 'small' else ''} {force or '16x5'} trans"
+    for i, (hw, zps) in enumerate([((7, 7), (lo, hi)), ((1, 1), (hi, lo)), ((1, 7), (lo + 1, hi)),
+                                   ((17, 1), (hi - 1, lo))]):
+        (tmp_path / str(i)).mkdir()
+        path = save(_trans_model(dtype, weights, hw, zps), tmp_path / str(i))
+        src = _x86_build_exact(path, isa, tmp_path / str(i))
+        if force or hw == (7, 7):
+            assert tag in src, src[:3000]

@@ -59,6 +59,10 @@ class Q8:
     # "dot" by vpmaddubsw + vpmaddwd(ones) + vpaddd in place of vpdpbusd (the pairs flavour of the
     # madd ISAs: exact only where schedule/q8.py ubs_exact proves it for the layer's weights)
     maddubs: bool = False
+    # x86: the transposed tiles of the im2col GEMM (MR output channels in the vector lanes x NR
+    # pixels broadcast, relative cost; schedule/q8.py trans_tile), taken where the layer's few
+    # pixels would leave the NR-pixel panels of `tiles` partly empty (7x7 = 49 in 64)
+    trans: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,12 @@ class ISA:
 # by quantize --reduce-range, one run each): its 1x1 and 3x3 stride-2 GEMM layers 0.82-0.94 of 4x16's
 # time (layer3.1.conv1 773 -> 653 us, layer4.0.conv2 2393 -> 2002 us), the 7x7 first layer (K = 147)
 # 1.12 (1639 -> 1842 us); those 40 layers 41.4 -> 35.7 ms
+# The transposed tiles (16 channels x 5, 6 or 4 pixels), their relative costs from the same layers
+# (bench --layers, forced on every GEMM layer, one run each): on 14x14 (196 pixels) 16x5 1.10,
+# 16x6 1.03 and 16x4 1.26 of 6x16's time per padded output; on 7x7 (49 pixels in 64 columns)
+# 16x5 takes layer4.x's 1x1 layers 794-810 -> 668-686 us, layer4.0.conv2 (3x3 s2) 2003 -> 1686 us
 _Q8_UBS_YMM = Q8("dot", 4, 8, ((6, 16, 1.0), (4, 16, 1.16)), dense=32, weights=("int8_t",), fit_cols=128,
-                 maddubs=True)
+                 maddubs=True, trans=((16, 5, 1.10), (16, 6, 1.03), (16, 4, 1.26)))
 _Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128, winograd=True, pairs=_Q8_UBS_YMM)
 _Q8_ZMM_TILES = ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15), (8, 16, 1.25))
 _Q8_UBS_ZMM = Q8("dot", 4, 16, _Q8_ZMM_TILES, dense=64, weights=("int8_t",), maddubs=True)
