@@ -958,3 +958,29 @@ def test_x86_trans_tile_bit_exact(isa, weights, force, dtype, tmp_path, monkeypa
         src = _x86_build_exact(path, isa, tmp_path / str(i))
         if force or hw == (7, 7):
             assert tag in src, src[:3000]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", ["avx2", "avx512bw"])
+def test_x86_strided_planes_bit_exact(isa, dtype, tmp_path, monkeypatch):
+    """x86 im2col rows copied from phase planes (q8.gemm_planes: avx2's vpmaddubsw layers of a
+    strided window by themselves, forced on avx512bw and for madd): 3x3 stride 2 asymmetrically
+    padded over odd sizes (7x7, 1x1, 1x7, 17x1, the chain's 11x10), the planes' even bytes taken 16 at a time
+    where 32 lie in the row, bit for bit."""
+    _x86_host(isa, monkeypatch, [isa])
+    if isa != "avx2":
+        monkeypatch.setenv("TINYDEPLOY_GEMM_PLANES", "1")
+    lo, hi = qrange(dtype)
+    src = _x86_build_exact(save(chain_model(dtype, weights="small"), tmp_path), isa, tmp_path)
+    assert "im2col planes] 3x3 stride 2x2" in src
+    for i, (hw, zps) in enumerate([((7, 7), (lo, hi)), ((1, 1), (hi, lo)), ((1, 7), (lo + 1, hi)),
+                                   ((17, 1), (hi - 1, lo)), ((9, 40), (lo, hi))]):
+        for weights in ("small", "random"):
+            d = tmp_path / f"{i}{weights}"
+            d.mkdir()
+            if weights == "random" or isa != "avx2":      # madd: forced
+                monkeypatch.setenv("TINYDEPLOY_GEMM_PLANES", "1")
+            else:
+                monkeypatch.delenv("TINYDEPLOY_GEMM_PLANES", raising=False)
+            src = _x86_build_exact(save(_trans_model(dtype, weights, hw, zps), d), isa, d)
+            assert "im2col planes] 3x3 stride 2x2" in src, src[:3000]

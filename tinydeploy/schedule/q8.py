@@ -439,6 +439,16 @@ def fit_gemm(k: Kernel, room: int) -> bool:
     return True
 
 
+def gemm_planes(q: Q8, p: dict) -> bool:
+    """Whether the im2col GEMM copies its rows from phase planes (Q8.gemm_planes; on x86 with
+    vpmaddubsw the strided layers of a window wider than 1x1, Q8.gemm_planes_strided); TINYDEPLOY_GEMM_PLANES=1 forces it, =0 not (tests)."""
+    forced = os.environ.get("TINYDEPLOY_GEMM_PLANES", "")
+    if forced:
+        return forced == "1"
+    strided = (p["SH"] > 1 or p["SW"] > 1) and p["KH"] * p["KW"] > 1
+    return q.gemm_planes or (q.gemm_planes_strided and strided)
+
+
 def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     w = _conv_weights(g, k)                                   # [M][K]
@@ -513,7 +523,7 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], mg, mp)
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
              NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
-             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes, QUAD=quad,
+             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and gemm_planes(q, p), QUAD=quad,
              KPERM=[int(v) for v in kperm] if kperm is not None else [], WIDE=wide, KS=kk // 4,
              TRANS=bool(trans))
     if p["PLANES"]:           # the padded planes of a group's channels, one per stride phase
