@@ -974,7 +974,7 @@ def test_x86_strided_planes_bit_exact(isa, dtype, tmp_path, monkeypatch):
     src = _x86_build_exact(save(chain_model(dtype, weights="small"), tmp_path), isa, tmp_path)
     assert "im2col planes] 3x3 stride 2x2" in src
     for i, (hw, zps) in enumerate([((7, 7), (lo, hi)), ((1, 1), (hi, lo)), ((1, 7), (lo + 1, hi)),
-                                   ((17, 1), (hi - 1, lo)), ((9, 40), (lo, hi))]):
+                                   ((17, 1), (hi - 1, lo)), ((9, 40), (lo, hi)), ((5, 24), (hi, lo))]):
         for weights in ("small", "random"):
             d = tmp_path / f"{i}{weights}"
             d.mkdir()
@@ -984,3 +984,19 @@ def test_x86_strided_planes_bit_exact(isa, dtype, tmp_path, monkeypatch):
                 monkeypatch.delenv("TINYDEPLOY_GEMM_PLANES", raising=False)
             src = _x86_build_exact(save(_trans_model(dtype, weights, hw, zps), d), isa, d)
             assert "im2col planes] 3x3 stride 2x2" in src, src[:3000]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_x86_strided_planes_blocks_bit_exact(dtype, tmp_path, monkeypatch):
+    """The phase planes' rows copied block by block (caches made tiny: blocks of a few panels, so
+    that blocks start and end inside output rows of 20 and 12 columns: copies of 1 to 20 bytes by
+    overlapping fixed-size ones), avx2 vpmaddubsw, bit for bit."""
+    _x86_host("avx2", monkeypatch, ["avx2"])
+    small = targets.TARGETS["host"]
+    monkeypatch.setitem(targets.TARGETS, "host", lambda: dataclasses.replace(small(), l1d_bytes=1024, l2_bytes=4096))
+    lo, hi = qrange(dtype)
+    for i, (hw, zps) in enumerate([((9, 40), (lo, hi)), ((5, 24), (hi, lo))]):
+        d = tmp_path / str(i)
+        d.mkdir()
+        src = _x86_build_exact(save(_trans_model(dtype, "small", hw, zps), d), "avx2", d)
+        assert re.search(r"nc \d+ im2col planes\] 3x3 stride 2x2", src), src[:3000]
