@@ -1138,3 +1138,83 @@ def test_x86_qadd_qpool_clang_and_sanitizers(cc, sanitize, tmp_path, monkeypatch
         x = reference.random_inputs(specs, 4)
         got, _ = LocalRunner().run(bd.exe, [x[n] for n, _, _ in specs], out_specs)
         check_8bit(path, x, got, label=f"{name} {cc} sanitize={sanitize}", lsb_scales=bd.summary.get("output_lsb"))
+
+
+
+def _trans_model(dtype, weights, hw, zps):
+    """Few pixels (the transposed tile's layers): a 1x1 layer 30 -> 40 (K = 30: a tail of a
+    k-group of 4) over hw, a 3x3 stride-2 layer 40 -> 36 padded asymmetrically (im2col), a 1x1
+    stride-2 layer 36 -> 19 (odd M) and a 1x1 layer 19 -> 21 (K = 19); zero points at zps."""
+    lo, hi = qrange(dtype)
+    b, conv, requant, _ = _chain_layers(dtype, 9, weights)
+    x, xs = requant(conv(b.dq("x", 0.05, zps[0], dtype), 0.05, 30, 40, (1, 1), act="relu"), 0.04, zps[1])
+    x, xs = requant(conv(x, xs, 40, 36, (3, 3), (2, 2), (1, 1, 2, 1)), 0.05, zps[0])
+    x, xs = requant(conv(x, xs, 36, 19, (1, 1), (2, 2)), 0.06, zps[1])
+    y = conv(x, xs, 19, 21, (1, 1))
+    return b.model([("x", dtype, [1, 30, *hw])], [(b.q(y, 0.1, hi - 4, dtype), dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa, weights, force", [
+    ("avx2", "small", ""), ("avx2", "small", "16x6"), ("avx2", "random", "16x5"),
+    ("avx512bw", "small", "32x6"), ("avx512bw", "random", "16x5")])
+def test_x86_trans_tile_bit_exact(isa, weights, force, dtype, tmp_path, monkeypatch):
+    """The transposed tile (output channels in the vector lanes, pixels broadcast: q8.trans_tile),
+    bit for bit against the exact reference over 7x7 (49 pixels; vpmaddubsw's layers take it by
+    themselves on avx2), 1x1, 1x7 and 17x1 inputs, 1x1 (direct) and 3x3 / 1x1 stride-2 (im2col)
+    layers, K tails, zero points at both ends; "small" weights run vpmaddubsw (maddubs), "random"
+    ones vpmaddwd (madd); forced (TINYDEPLOY_TRANS) elsewhere, avx512bw through SIMDe here."""
+    _x86_host(isa, monkeypatch, [isa])
+    if force:
+        monkeypatch.setenv("TINYDEPLOY_TRANS", force)
+    lo, hi = qrange(dtype)
+    tag = f"qconv2d_gemm {isa}{' maddubs' if weights == 'small' else ''} {force or '16x5'} trans"
+    for i, (hw, zps) in enumerate([((7, 7), (lo, hi)), ((1, 1), (hi, lo)), ((1, 7), (lo + 1, hi)),
+                                   ((17, 1), (hi - 1, lo))]):
+        (tmp_path / str(i)).mkdir()
+        path = save(_trans_model(dtype, weights, hw, zps), tmp_path / str(i))
+        src = _x86_build_exact(path, isa, tmp_path / str(i))
+        if force or hw == (7, 7):
+            assert tag in src, src[:3000]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("isa", ["avx2", "avx512bw"])
+def test_x86_strided_planes_bit_exact(isa, dtype, tmp_path, monkeypatch):
+    """x86 im2col rows copied from phase planes (q8.gemm_planes: avx2's vpmaddubsw layers of a
+    strided window by themselves, forced on avx512bw and for madd): 3x3 stride 2 asymmetrically
+    padded over odd sizes (7x7, 1x1, 1x7, 17x1, the chain's 11x10), the planes' even bytes taken 16 at a time
+    where 32 lie in the row, bit for bit."""
+    _x86_host(isa, monkeypatch, [isa])
+    if isa != "avx2":
+        monkeypatch.setenv("TINYDEPLOY_GEMM_PLANES", "1")
+    lo, hi = qrange(dtype)
+    src = _x86_build_exact(save(chain_model(dtype, weights="small"), tmp_path), isa, tmp_path)
+    assert "im2col planes] 3x3 stride 2x2" in src
+    for i, (hw, zps) in enumerate([((7, 7), (lo, hi)), ((1, 1), (hi, lo)), ((1, 7), (lo + 1, hi)),
+                                   ((17, 1), (hi - 1, lo)), ((9, 40), (lo, hi)), ((5, 24), (hi, lo))]):
+        for weights in ("small", "random"):
+            d = tmp_path / f"{i}{weights}"
+            d.mkdir()
+            if weights == "random" or isa != "avx2":      # madd: forced
+                monkeypatch.setenv("TINYDEPLOY_GEMM_PLANES", "1")
+            else:
+                monkeypatch.delenv("TINYDEPLOY_GEMM_PLANES", raising=False)
+            src = _x86_build_exact(save(_trans_model(dtype, weights, hw, zps), d), isa, d)
+            assert "im2col planes] 3x3 stride 2x2" in src, src[:3000]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_x86_strided_planes_blocks_bit_exact(dtype, tmp_path, monkeypatch):
+    """The phase planes' rows copied block by block (caches made tiny: blocks of a few panels, so
+    that blocks start and end inside output rows of 20 and 12 columns: copies of 1 to 20 bytes by
+    overlapping fixed-size ones), avx2 vpmaddubsw, bit for bit."""
+    _x86_host("avx2", monkeypatch, ["avx2"])
+    small = targets.TARGETS["host"]
+    monkeypatch.setitem(targets.TARGETS, "host", lambda: dataclasses.replace(small(), l1d_bytes=1024, l2_bytes=4096))
+    lo, hi = qrange(dtype)
+    for i, (hw, zps) in enumerate([((9, 40), (lo, hi)), ((5, 24), (hi, lo))]):
+        d = tmp_path / str(i)
+        d.mkdir()
+        src = _x86_build_exact(save(_trans_model(dtype, "small", hw, zps), d), "avx2", d)
+        assert re.search(r"nc \d+ im2col planes\] 3x3 stride 2x2", src), src[:3000]

@@ -198,6 +198,30 @@ def _tile(q: Q8, rows: int, cols: int, kgn: int = 0) -> tuple[int, int]:
     return ranked_tiles("", rows, cols, tiles=q.tiles)[0]
 
 
+def trans_tile(q: Q8, rows: int, cols: int, kgn: int, gb: int, l2: int, tile: tuple[int, int]) -> tuple[int, int] | None:
+    """The transposed tile (x86: MR output channels in the vector lanes, NR pixels broadcast;
+    Q8.trans) for a rows x cols GEMM with kgn k-groups, where its padded output (each tile a whole
+    one, times its relative cost) is less than the chosen `tile`'s and K stays in one block; else
+    None (a twentieth of margin: its epilogue stores bytes one at a time, transposed).
+    TINYDEPLOY_TRANS=MRxNR forces one that fits the ISA's registers (tests), =0 none."""
+    forced = os.environ.get("TINYDEPLOY_TRANS", "")
+    if q.lanes not in (8, 16) or q.flavour not in ("dot", "madd") or forced == "0":
+        return None
+    if forced:
+        mr, nr = (int(v) for v in forced.lower().split("x"))
+        regs = 16 if q.lanes == 8 else 32
+        ok = mr % q.lanes == 0 and nr >= 1 and (mr // q.lanes) * (nr + 1) + 2 <= regs
+        return (mr, nr) if ok and kgn * nr * gb <= l2 // 2 else None
+    if not q.trans or os.environ.get("TINYDEPLOY_TILE"):
+        return None
+    eff = {(m, n): e for m, n, e in q.tiles}.get(tile, 1.0)
+    cur = _round_up(rows, tile[0]) * _round_up(cols, tile[1]) * eff
+    mr, nr, e = min(q.trans, key=lambda t: _round_up(rows, t[0]) * _round_up(cols, t[1]) * t[2])
+    if _round_up(rows, mr) * _round_up(cols, nr) * e < 0.95 * cur and kgn * nr * gb <= l2 // 2:
+        return mr, nr
+    return None
+
+
 def ubs_exact(w: np.ndarray, kgroup: int = 4) -> bool:
     """Whether vpmaddubsw sums every pair of this layer's products exactly: u8 activations
     (0..255) times the int8 weights of a pair (k = 2 j, 2 j + 1 of the packed k-groups of 4;
@@ -481,6 +505,16 @@ def fit_gemm(k: Kernel, room: int) -> bool:
     return True
 
 
+def gemm_planes(q: Q8, p: dict) -> bool:
+    """Whether the im2col GEMM copies its rows from phase planes (Q8.gemm_planes; on x86 with
+    vpmaddubsw the strided layers of a window wider than 1x1, Q8.gemm_planes_strided); TINYDEPLOY_GEMM_PLANES=1 forces it, =0 not (tests)."""
+    forced = os.environ.get("TINYDEPLOY_GEMM_PLANES", "")
+    if forced:
+        return forced == "1"
+    strided = (p["SH"] > 1 or p["SW"] > 1) and p["KH"] * p["KW"] > 1
+    return q.gemm_planes or (q.gemm_planes_strided and strided)
+
+
 def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Kernel:
     p = dict(k.params)
     w = _conv_weights(g, k)                                   # [M][K]
@@ -527,6 +561,9 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
         quad, kperm, nr = True, wperm, 12
         if kperm is not None:
             w = w[:, kperm]
+    trans = None if wide or q.flavour == "smull" else trans_tile(q, mg, cols, kgn, gb, l2, (mr, nr))
+    if trans:                 # output channels in the vector lanes, pixels broadcast
+        mr, nr = trans
     mp = _round_up(mg, mr)
     # All of K in one block where a panel of NR columns over all of K fits in half of L2: measured
     # on an AVX2 host, the ResNet-50 (uint8) layers split in K (int32 partial sums kept between the
@@ -554,15 +591,16 @@ def select_qconv_gemm(g: ir.Graph, step: int, k: Kernel, target, isa: str) -> Ke
     bname, rname = _channel_consts(g, k, consts, q, isa, w, zx_loop, p["TX"], mg, mp)
     p.update(algo="qconv2d_gemm", q8_isa=isa, FLAVOUR=q.flavour, KG=kg, KGN=kgn, KCG=kcg, KB=blocks, MR=mr,
              NR=nr, NC=nc, NC_MAX=nc, MG=mg, CG=cg, K=kk, MP=mp, P=cols, GB=gb, DIRECT=direct, XOFF=off, FLIP=flip,
-             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and q.gemm_planes, QUAD=quad,
-             KPERM=[int(v) for v in kperm] if kperm is not None else [], WIDE=wide, KS=kk // 4)
+             ZXL=zx_loop, PADB=p["ZX"] % 256, PLANES=not direct and gemm_planes(q, p), QUAD=quad,
+             KPERM=[int(v) for v in kperm] if kperm is not None else [], WIDE=wide, KS=kk // 4,
+             TRANS=bool(trans))
     if p["PLANES"]:           # the padded planes of a group's channels, one per stride phase
         hp, wp, phases, offs = dw_geometry(p)
         p.update(PHP=hp, PWP=wp, PPH=phases, POFFS=offs, PPLS=len(phases) * hp * wp)
     scratch = 4 * gemm_scratch_words(p)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     how = "direct" if direct else "im2col planes" if p["PLANES"] else "im2col"
-    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr}{' wide' if wide else ''}{' quad' if quad else ''}{' K reordered' if kperm is not None else ''} kc {kcg * kg} nc {nc} {how}] {k.desc}"
+    desc = f"[qconv2d_gemm {isa}{_tag(q)} {mr}x{nr}{' trans' if trans else ''}{' wide' if wide else ''}{' quad' if quad else ''}{' K reordered' if kperm is not None else ''} kc {kcg * kg} nc {nc} {how}] {k.desc}"
     return Kernel("qconv2d_gemm", k.dtype, p, args, scratch, desc, consts=consts, scratch_dtype="int32")
 
 

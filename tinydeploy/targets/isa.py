@@ -59,6 +59,13 @@ class Q8:
     # "dot" by vpmaddubsw + vpmaddwd(ones) + vpaddd in place of vpdpbusd (the pairs flavour of the
     # madd ISAs: exact only where schedule/q8.py ubs_exact proves it for the layer's weights)
     maddubs: bool = False
+    # x86: the transposed tiles of the im2col GEMM (MR output channels in the vector lanes x NR
+    # pixels broadcast, relative cost; schedule/q8.py trans_tile), taken where the layer's few
+    # pixels would leave the NR-pixel panels of `tiles` partly empty (7x7 = 49 in 64)
+    trans: tuple[tuple[int, int, float], ...] = ()
+    # gemm_planes for the strided KxK layers only (x86 vpmaddubsw: their im2col rows copied from
+    # phase planes rather than gathered byte by byte with the stride)
+    gemm_planes_strided: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,8 +107,16 @@ class ISA:
 # qadd_int32 (avx2, and avx512 through it: qadd_simd.c.j2's int32 lanes), measured on an AVX2 host (bench
 # --layers, ResNet-50 uint8 --reduce-range, interleaved with the double lanes of main): its Adds
 # 372 / 186 / 93 / 47 -> 80 / 39 / 20 / 11 us (256x56x56 ... 2048x7x7); IC int8 0.217 -> 0.207 ms
+# The transposed tiles (16 channels x 5, 6 or 4 pixels), their relative costs from the same layers
+# (bench --layers, forced on every GEMM layer, one run each): on 14x14 (196 pixels) 16x5 1.10,
+# 16x6 1.03 and 16x4 1.26 of 6x16's time per padded output; on 7x7 (49 pixels in 64 columns)
+# 16x5 takes layer4.x's 1x1 layers 794-810 -> 668-686 us, layer4.0.conv2 (3x3 s2) 2003 -> 1686 us.
+# gemm_planes_strided, same host (interleaved, two runs each): the 3x3 stride-2 layers 1519/1528 ->
+# 1442/1431 us (layer2.0.conv2), 1474/1477 -> 1412/1402 (layer3.0.conv2), 1489/1510 -> 1437/1419
+# (layer4.0.conv2), the 7x7 first layer equal (1697/1706 -> 1722/1680); the 1x1 stride-2 layers
+# equal too (1173/1180 -> 1180/1169 us), so they keep the gather
 _Q8_UBS_YMM = Q8("dot", 4, 8, ((6, 16, 1.0), (4, 16, 1.16)), dense=32, weights=("int8_t",), fit_cols=128,
-                 maddubs=True)
+                 maddubs=True, trans=((16, 5, 1.10), (16, 6, 1.03), (16, 4, 1.26)), gemm_planes_strided=True)
 _Q8_MADD_YMM = Q8("madd", 2, 8, ((4, 16, 1.0),), dense=32, fit_cols=128, winograd=True, pairs=_Q8_UBS_YMM,
                    qadd_int32=True)
 _Q8_ZMM_TILES = ((12, 32, 1.0), (8, 32, 1.05), (6, 64, 1.05), (24, 16, 1.1), (16, 16, 1.15), (8, 16, 1.25))
