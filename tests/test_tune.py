@@ -271,3 +271,18 @@ def test_candidates(model, monkeypatch):
     mv = type(conv1)("dense", "f32", {"M": 1, "K": 256, "N": 64, "has_bias": False, "bias_2d": False, "act": "v"}, [])
     assert tune.candidates(mv, t, isa) == [{"algo": schedule.dense_choice(mv.params, isa, "auto"), "tile": None,
                                             "blocking": None}]
+
+
+def test_build_key_follows_the_selection_overrides(monkeypatch):
+    """A build made under one of the selection's overrides (TINYDEPLOY_ALGO, _TILE, _DW_FORM,
+    _TRANS, _GEMM_PLANES) has another key than one made without it, so `bench` and `run` never
+    reuse a forced build for an unforced one (or the reverse)."""
+    for v in ("TINYDEPLOY_ALGO", "TINYDEPLOY_TILE", "TINYDEPLOY_DW_FORM", "TINYDEPLOY_TRANS", "TINYDEPLOY_GEMM_PLANES"):
+        monkeypatch.delenv(v, raising=False)
+    base = tuning.state("x")
+    keys = set()
+    for v in ("TINYDEPLOY_ALGO", "TINYDEPLOY_TILE", "TINYDEPLOY_DW_FORM", "TINYDEPLOY_TRANS", "TINYDEPLOY_GEMM_PLANES"):
+        monkeypatch.setenv(v, "1")
+        keys.add(tuning.state("x"))
+        monkeypatch.delenv(v)
+    assert base not in keys and len(keys) == 5 and tuning.state("x") == base

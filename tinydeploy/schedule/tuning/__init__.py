@@ -114,13 +114,18 @@ def load(key: str) -> tuple[dict[str, dict], str | None]:
     return _CACHE[ident]
 
 
+# schedule/q8.py's overrides of its own choices (tests, experiments): in build keys where set, so
+# that a build forced by one is not reused without it
+_OVERRIDES = ("TINYDEPLOY_DW_FORM", "TINYDEPLOY_TRANS", "TINYDEPLOY_GEMM_PLANES")
+
+
 def state(key: str) -> str:
     """What the selection depends on besides the model (database contents and overrides), for
     build keys: a reused build must have been made with the same database."""
     path = db_path(key)
     h = hashlib.sha256(json.dumps([os.environ.get("TINYDEPLOY_ALGO", ""), os.environ.get("TINYDEPLOY_TILE", ""),
-                                   _FORCED.get()] + ([os.environ["TINYDEPLOY_DW_FORM"]]       # (schedule/q8.py)
-                                                     if os.environ.get("TINYDEPLOY_DW_FORM") else []),
+                                   _FORCED.get()] + [f"{v}={os.environ[v]}" for v in _OVERRIDES
+                                                     if os.environ.get(v)],
                                   sort_keys=True).encode())
     try:
         h.update(path.read_bytes() if path is not None else b"off")
