@@ -183,14 +183,14 @@ def select(g, step: int, k: Kernel, target, isa: str, w: np.ndarray, r: np.ndarr
     wname = new_const(g, consts, base, u.reshape(-1))
     bname = new_const(g, consts, base + "_bias", wrap32(bk))
     rname = new_const(g, consts, base + "_requant_scale", rk)
-    rb_max = geometry(p, hi)["RB"]
+    rb_max = rb_quarter = geometry(p, hi)["RB"]
     if p["X86"]:        # V within half of L2 (fit chooses among the block sizes: padded_tiles)
         rb_max = geometry(p, 2 * hi)["RB"]
     if p["X86"]:        # at least two GEMM panels of 16 tiles a block (else the last panel is mostly waste)
         rb_min = min(gm["TROWS"], max(gm["RB"], -(-2 * X86_NR // gm["TCOLS"])))
         gm, rb_max = geometry(p, 0, rb_min), max(rb_max, rb_min)
     lay = scratch_layout(gm, c)
-    p.update(gm, **lay, algo="qconv2d_winograd", q8_isa=isa, RB_MIN=gm["RB"], RB_MAX=rb_max)
+    p.update(gm, **lay, algo="qconv2d_winograd", q8_isa=isa, RB_MIN=gm["RB"], RB_MAX=rb_max, RB_Q=rb_quarter)
     args = [k.args[0], wname, bname, rname, k.args[-1], scratch_arg(step)]
     desc = (f"[qconv2d_winograd {isa} F(2x2,3x3) {gm['TROWS']}x{gm['TCOLS']} tiles, {gm['RB']} tile rows a "
             f"block] {k.desc}")
@@ -202,7 +202,11 @@ def padded_tiles(p: dict, rb: int) -> int:
     whole panels of X86_NR. Measured on an AVX2 host (ResNet-50 uint8, bench --layers): the 56x56
     layers (28 tiles a row) 1,420 us in blocks of 2 rows (56 tiles in 64 columns) against 1,213 in
     blocks of 4 (112 in 112); the 7x7 layers (4 a row) 2,081 us in blocks of 2 against 1,209 in
-    one of 4; where the counts tie (the 28x28 and 14x14 layers) within about 5% of each other."""
+    one of 4. Where the counts tie, blocks whose V is over a quarter of L2 ran faster the smaller
+    they were: the 28x28 layers (14 a row) 1,050 us in blocks of 1 or 2 rows, 1,190 in 3, 1,111
+    in 4; the 14x14 layers (7 a row, 256 channels) 1,165-1,206 in blocks of 2, 1,201-1,300 in 5
+    (3: 80 columns, 1,600); under it the larger ones (IC's 32x32 layers of 16 channels, 16 tiles a
+    row: 43-45 us in blocks of 10, 50-52 in blocks of 1)."""
     trows, tcols = -(-p["OH"] // 2), -(-p["OW"] // 2)
     full, last = divmod(trows, rb)
     return full * _round_up(rb * tcols, X86_NR) + _round_up(last * tcols, X86_NR)
@@ -211,7 +215,7 @@ def padded_tiles(p: dict, rb: int) -> int:
 def fit(k: Kernel, room: int) -> bool:
     """Size the scratch to at most `room` bytes (the planner's fit): the most tile rows a block,
     from RB_MIN (V within L1; fit(k, 0) leaves it there, which sets the peak) up to RB_MAX (V
-    within a quarter of L2; x86: half, and of the fitting ones those of fewest padded_tiles),
+    within a quarter of L2; x86: half, and of the fitting ones the fewest padded_tiles),
     whose scratch fits. Fewer blocks convert fewer overlapping input
     rows (each block reads 2 rows more than its outputs need). Where the hole under the peak is
     smaller than RB_MIN needs (the activations around it leave it fragmented), the block is cut
@@ -223,8 +227,9 @@ def fit(k: Kernel, room: int) -> bool:
         fitting = [r for r in range(1, p["RB_MAX"] + 1)
                    if scratch_layout(geometry(p, 0, r), p["C"])["BYTES"] <= room]
         rb = max(fitting, default=1)
-        if p["X86"] and fitting:    # the fewest tiles in padded GEMM panels, then the most rows
-            rb = min(fitting, key=lambda r: (padded_tiles(p, r), -r))
+        if p["X86"] and fitting:    # the fewest tiles in padded GEMM panels, then (padded_tiles)
+            q = p["RB_Q"]           # the most rows with V within a quarter of L2, else the fewest
+            rb = min(fitting, key=lambda r: (padded_tiles(p, r), r > q, -r if r <= q else r))
     gm = geometry(p, 0, rb)
     lay = scratch_layout(gm, p["C"])
     k.params = dict(p, **gm, **lay)
